@@ -1,0 +1,35 @@
+"""The record every EP profile fills in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EpProfile:
+    """What the exporter needs to know about one ONNX Runtime execution provider.
+
+    name: the value of ``--ep``.
+    genai_provider: the provider name genai_config.json uses in ``provider_options``; empty for
+        the default CPU provider, which genai_config expresses as an empty list.
+    ort_provider: the ONNX Runtime provider name a plain InferenceSession uses.
+    precisions: precisions a package for this EP can be exported at; the first is the default.
+    provider_options: options written under the provider in genai_config.json.
+    fx_passes: names of FX passes (see ``fx_passes.registry``) to run, in order.
+    max_buffer_size: the largest single weight the EP can hold, in bytes; None means no limit.
+    past_present_share_buffer: whether generation shares one KV buffer between past and present.
+    """
+
+    name: str
+    genai_provider: str
+    ort_provider: str
+    precisions: tuple[str, ...]
+    description: str
+    provider_options: dict[str, str] = field(default_factory=dict)
+    fx_passes: tuple[str, ...] = ()
+    max_buffer_size: int | None = None
+    past_present_share_buffer: bool = False
+
+    @property
+    def default_precision(self) -> str:
+        return self.precisions[0]

@@ -1,0 +1,141 @@
+"""Command line: ``python -m exporter MODEL --ep cpu -o DIR`` and ``python -m exporter list``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ep_profiles import PLANNED_EPS, PROFILES
+from exporter.errors import ExporterError
+from exporter.pipeline import PRECISIONS, export
+from exporter.presets import DEFAULT_PRESET
+from exporter.sources import describe_sources
+from exporter.stages import StageRecord
+
+_STAGE_TITLES = {
+    "load": "loading the model",
+    "trace": "tracing with torch.export",
+    "fx_passes": "running FX passes",
+    "lower": "lowering to ONNX",
+    "onnx_passes": "running ONNX passes",
+    "package": "writing the package",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m exporter",
+        description="Export a Hugging Face decoder LM to an ONNX Runtime GenAI package.",
+        epilog="Other commands: `python -m exporter list` shows presets, aliases and EPs.",
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_PRESET,
+        help=f"preset name, alias, local HF folder or hub id (default: {DEFAULT_PRESET}, offline)",
+    )
+    parser.add_argument("--ep", default="cpu", metavar="EP",
+                        help=f"execution provider profile (default: cpu; available: {', '.join(PROFILES)})")
+    parser.add_argument("-o", "--output", type=Path, metavar="DIR",
+                        help="package folder to create (default: ./<model>-<ep>-<precision>)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="weight precision (default: the EP's)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
+    parser.add_argument("--allow-pickled-weights", action="store_true",
+                        help="load pickled .bin weights, which can run arbitrary code; only for sources you trust")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the checkpoint's own Python code (transformers' trust_remote_code)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on failure")
+    return parser
+
+
+class _Progress:
+    """One line per stage on stderr; on a terminal the line counts seconds while the stage runs."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.live = stream.isatty()
+        self._ticker: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __call__(self, name: str, record: StageRecord | None) -> None:
+        title = _STAGE_TITLES.get(name, name)
+        if record is None:
+            self._start(title)
+        else:
+            self._finish(title, record)
+
+    def _start(self, title: str) -> None:
+        if not self.live:
+            print(f"  {title} ...", file=self.stream, flush=True)
+            return
+        self._stop.clear()
+        started = time.perf_counter()
+
+        def tick():
+            while not self._stop.wait(0.5):
+                print(f"\r  {title} ... {time.perf_counter() - started:.0f} s", end="", file=self.stream, flush=True)
+
+        self._ticker = threading.Thread(target=tick, daemon=True)
+        self._ticker.start()
+
+    def _finish(self, title: str, record: StageRecord) -> None:
+        if self._ticker is not None:
+            self._stop.set()
+            self._ticker.join()
+            self._ticker = None
+        prefix = "\r" if self.live else ""
+        line = f"  {title}: {record.seconds:.1f} s, peak memory {record.peak_rss_bytes / 2**30:.2f} GiB"
+        print(f"{prefix}{line:<70}", file=self.stream, flush=True)
+
+
+def _list() -> int:
+    print("Models (presets work offline):")
+    for name, description in describe_sources():
+        print(f"  {name:<20} {description}")
+    print("\nExecution providers (--ep):")
+    for name, profile in PROFILES.items():
+        print(f"  {name:<20} {profile.description}; precisions: {', '.join(profile.precisions)}")
+    for name in PLANNED_EPS:
+        print(f"  {name:<20} planned, not yet supported")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["list"]:
+        return _list()
+    args = build_parser().parse_args(argv)
+    output = args.output or Path(f"{Path(str(args.model)).name}-{args.ep}-{args.precision or 'default'}")
+    print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)
+    try:
+        result = export(
+            args.model,
+            ep=args.ep,
+            precision=args.precision,
+            output_dir=output,
+            overwrite=args.overwrite,
+            allow_pickled_weights=args.allow_pickled_weights,
+            trust_remote_code=args.trust_remote_code,
+            on_stage=_Progress(),
+        )
+    except ExporterError as error:
+        if args.debug:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    report = result.report
+    nodes = sum(report.op_counts.values())
+    print(
+        f"Wrote {result.path} in {report.total_seconds:.1f} s: {nodes} ONNX nodes, "
+        f"{report.initializers['total_bytes'] / 2**20:.1f} MiB of weights, "
+        f"{len(result.layout.kv_layers)} KV-cache layers of {result.layout.num_layers}"
+    )
+    for note in report.notes:
+        print(f"note: {note}")
+    return 0

@@ -1,0 +1,85 @@
+"""Facts about a decoder's KV cache, derived once from the HF model.
+
+Which layers own a KV cache (Gemma 4's KV-shared layers read another layer's and own none), and the
+KV head count and head dim of each owning layer. These are read by running the model once on two
+tokens with an empty ``DynamicCache`` and looking at what each layer stored, so every family that
+transformers implements is covered without reading family-specific config fields. The config is
+consulted only for what the cache cannot show (sliding window, vocabulary, context length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass(frozen=True)
+class KvLayer:
+    index: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    hidden_size: int
+    vocab_size: int
+    context_length: int
+    kv_layers: tuple[KvLayer, ...]
+    sliding_window: int | None
+    num_kv_shared_layers: int
+
+    @property
+    def kv_layer_indices(self) -> tuple[int, ...]:
+        return tuple(layer.index for layer in self.kv_layers)
+
+    @property
+    def shared_layer_indices(self) -> tuple[int, ...]:
+        owning = set(self.kv_layer_indices)
+        return tuple(i for i in range(self.num_layers) if i not in owning)
+
+
+def text_config(config):
+    """The decoder's config: itself, or the ``text_config`` of a multimodal config."""
+    return config.get_text_config(decoder=True)
+
+
+def derive_layout(model: PreTrainedModel) -> DecoderLayout:
+    config = text_config(model.config)
+    cache = DynamicCache()
+    param = next(model.parameters())
+    probe_ids = torch.zeros((1, 2), dtype=torch.long, device=param.device)
+    with torch.no_grad():
+        model(input_ids=probe_ids, cache=cache, use_cache=True)
+
+    kv_layers = []
+    for index, layer in enumerate(cache.layers):
+        keys = getattr(layer, "keys", None)
+        if keys is None or keys.numel() == 0:
+            continue
+        _, num_kv_heads, _, head_dim = keys.shape
+        kv_layers.append(KvLayer(index, int(num_kv_heads), int(head_dim)))
+    if not kv_layers:
+        raise RuntimeError("the model stored nothing in its KV cache; is it a decoder LM?")
+
+    num_layers = int(config.num_hidden_layers)
+    layer_types = getattr(config, "layer_types", None) or []
+    has_sliding = "sliding_attention" in layer_types or (
+        not layer_types and getattr(config, "sliding_window", None)
+    )
+    return DecoderLayout(
+        model_type=config.model_type,
+        num_layers=num_layers,
+        num_attention_heads=int(config.num_attention_heads),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        context_length=int(getattr(config, "max_position_embeddings", 0) or 4096),
+        kv_layers=tuple(kv_layers),
+        sliding_window=int(config.sliding_window) if has_sliding and config.sliding_window else None,
+        num_kv_shared_layers=num_layers - len(kv_layers),
+    )

@@ -1,0 +1,96 @@
+"""Lower the torch.export program to an ONNX model with ONNX Runtime GenAI's names.
+
+``torch.onnx.export(..., optimize=False)``: its default optimizer runs onnxscript's rewrite rules,
+whose cost grows with the square of the node count (most of 81 s at 35 layers); the chosen pass
+list in ``exporter.onnx_passes`` runs instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+
+import onnx_ir as ir
+import torch
+from torch.export import ExportedProgram
+
+from exporter.layout import DecoderLayout
+from exporter.trace import input_names, output_names
+
+OPSET = 21
+
+# The symbolic dims torch.export invents (s0, s17, ...) get the names ONNX Runtime GenAI's own
+# packages use, keyed by (graph input, axis).
+_DIM_NAMES = {
+    ("input_ids", 0): "batch_size",
+    ("input_ids", 1): "sequence_length",
+    ("attention_mask", 1): "total_sequence_length",
+}
+
+
+def lower(program: ExportedProgram, sample_inputs: tuple, layout: DecoderLayout) -> ir.Model:
+    with _quiet_torch_onnx():
+        onnx_program = torch.onnx.export(
+            program,
+            sample_inputs,
+            dynamo=True,
+            optimize=False,
+            opset_version=OPSET,
+            verbose=False,
+            report=False,
+        )
+    model = onnx_program.model
+    _name_graph_io(model, layout)
+    return model
+
+
+def _name_graph_io(model: ir.Model, layout: DecoderLayout) -> None:
+    graph = model.graph
+    wanted_inputs, wanted_outputs = input_names(layout), output_names(layout)
+    if len(graph.inputs) != len(wanted_inputs) or len(graph.outputs) != len(wanted_outputs):
+        raise RuntimeError(
+            f"lowered graph has {len(graph.inputs)} inputs / {len(graph.outputs)} outputs, "
+            f"expected {len(wanted_inputs)} / {len(wanted_outputs)}"
+        )
+    for value, name in zip(graph.inputs, wanted_inputs):
+        value.name = name
+    for value, name in zip(graph.outputs, wanted_outputs):
+        value.name = name
+
+    renames: dict[str, str] = {}
+    for value in graph.inputs:
+        for axis, dim in enumerate(value.shape):
+            if isinstance(dim, ir.SymbolicDim) and (value.name, axis) in _DIM_NAMES:
+                renames[str(dim.value)] = _DIM_NAMES[(value.name, axis)]
+    first_past = next((v for v in graph.inputs if v.name.startswith("past_key_values.")), None)
+    if first_past is not None and isinstance(first_past.shape[2], ir.SymbolicDim):
+        renames[str(first_past.shape[2].value)] = "past_sequence_length"
+
+    def renamed(shape: ir.Shape | None) -> ir.Shape | None:
+        if shape is None:
+            return None
+        dims = [
+            ir.SymbolicDim(renames.get(str(d.value), d.value)) if isinstance(d, ir.SymbolicDim) else d
+            for d in shape
+        ]
+        return ir.Shape(dims)
+
+    for value in [*graph.inputs, *graph.outputs]:
+        value.shape = renamed(value.shape)
+
+
+@contextlib.contextmanager
+def _quiet_torch_onnx():
+    """torch.onnx prints progress lines and warns about optional torchvision ops; the exporter
+    reports its own progress."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)

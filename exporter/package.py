@@ -1,0 +1,94 @@
+"""Write the package folder: model.onnx + external data, genai_config.json, tokenizer files and the
+export report. Everything is written to a staging folder beside the destination and moved into
+place at the end, so a failed export leaves nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import onnx_ir as ir
+
+from exporter.errors import ExporterError
+
+MODEL_FILENAME = "model.onnx"
+DATA_FILENAME = "model.onnx.data"
+GENAI_CONFIG_FILENAME = "genai_config.json"
+REPORT_FILENAME = "export_report.json"
+REPORT_MARKDOWN_FILENAME = "export_report.md"
+
+
+def check_destination(output_dir: Path, overwrite: bool) -> None:
+    if output_dir.exists() and not overwrite:
+        raise ExporterError(f"output folder '{output_dir}' exists; choose another -o or pass --overwrite")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ExporterError(f"output path '{output_dir}' is a file; choose a folder path for -o")
+
+
+@contextlib.contextmanager
+def staging_folder(output_dir: Path, overwrite: bool) -> Iterator[Path]:
+    """Yields an empty folder beside ``output_dir``; on success it replaces ``output_dir``."""
+    output_dir = output_dir.resolve()
+    check_destination(output_dir, overwrite)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the package is an ordinary folder
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if output_dir.exists():
+        shutil.rmtree(output_dir)
+    os.replace(staging, output_dir)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save_model(model: ir.Model, folder: Path) -> None:
+    ir.save(model, folder / MODEL_FILENAME, external_data=DATA_FILENAME)
+
+
+def save_json(data: Any, path: Path) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> list[str]:
+    """Saves the tokenizer's files into ``folder`` and returns their names.
+
+    File names a tokenizer writes can come from a checkpoint (``vocab_files_names``), so each must
+    be a plain name: one with a separator or ``..`` is refused before anything is written. The files
+    go to a scratch folder first and only flat regular files are copied into the package.
+    """
+    for file_name in getattr(tokenizer, "vocab_files_names", {}).values():
+        if not _is_plain_file_name(str(file_name)):
+            raise ExporterError(
+                f"the tokenizer asks to write '{file_name}', which is not a plain file name; refusing to write it"
+            )
+    with tempfile.TemporaryDirectory(dir=folder) as scratch_name:
+        scratch = Path(scratch_name)
+        tokenizer.save_pretrained(str(scratch))
+        saved = []
+        for path in sorted(scratch.iterdir()):
+            if path.is_file() and not path.is_symlink() and _is_plain_file_name(path.name):
+                shutil.copyfile(path, folder / path.name)
+                saved.append(path.name)
+    if "tokenizer.json" not in saved and "tokenizer.model" not in saved:
+        raise ExporterError(
+            "the tokenizer saved neither tokenizer.json nor tokenizer.model; ONNX Runtime GenAI needs one of them"
+        )
+    return saved
+
+
+def _is_plain_file_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and Path(name).name == name and "\\" not in name

@@ -1,0 +1,157 @@
+"""The export pipeline: load -> trace -> FX passes -> lower -> ONNX passes -> package.
+
+Each stage is one module with one entry function; this module only strings them together, times
+them, and assembles the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ep_profiles import get_profile
+from ep_profiles.registry import UnknownProfileError
+from exporter import package
+from exporter.errors import ExporterError
+from exporter.genai_config import FALLBACK_DECODER_TYPE, build_genai_config, genai_model_type
+from exporter.layout import DecoderLayout, derive_layout
+from exporter.lower import lower
+from exporter.onnx_passes import run_onnx_passes
+from exporter.report import ExportReport, initializer_summary, op_counts
+from exporter.sources import LoadOptions, load
+from exporter.stages import StageLog, StageRecord
+from exporter.trace import trace
+from fx_passes import FX_PASSES, PassContext, run_fx_passes
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+
+
+@dataclass(frozen=True)
+class ExportedPackage:
+    path: Path
+    report: ExportReport
+    layout: DecoderLayout
+
+    @property
+    def model_path(self) -> Path:
+        return self.path / package.MODEL_FILENAME
+
+
+def export(
+    model: Any,
+    tokenizer: Any = None,
+    *,
+    ep: str = "cpu",
+    output_dir: str | Path,
+    precision: str | None = None,
+    overwrite: bool = False,
+    allow_pickled_weights: bool = False,
+    trust_remote_code: bool = False,
+    on_stage: Callable[[str, StageRecord | None], None] | None = None,
+) -> ExportedPackage:
+    """Export a decoder LM to an ONNX Runtime GenAI package in ``output_dir``.
+
+    ``model`` is a preset name, a local Hugging Face folder, a hub id or alias, or an in-memory
+    ``PreTrainedModel`` (then ``tokenizer`` is required). ``on_stage(name, record)`` is called
+    with ``record=None`` when a stage starts and with its timings when it ends.
+    """
+    try:
+        profile = get_profile(ep)
+    except UnknownProfileError as error:
+        raise ExporterError(str(error)) from None
+    precision = precision or profile.default_precision
+    if precision not in profile.precisions:
+        known = "known" if precision in PRECISIONS else "unknown"
+        raise ExporterError(
+            f"precision '{precision}' ({known}) is not supported for EP '{ep}' yet; use one of: "
+            + ", ".join(profile.precisions)
+        )
+    output_dir = Path(output_dir)
+    package.check_destination(output_dir.resolve(), overwrite)
+
+    stages = StageLog(on_stage)
+    with stages.stage("load"):
+        loaded = load(model, tokenizer, LoadOptions(allow_pickled_weights, trust_remote_code))
+        hf_model = loaded.model.to(torch.float32)
+        try:
+            layout = derive_layout(hf_model)
+        except Exception as error:
+            raise ExporterError(
+                f"{type(hf_model).__name__} could not run with a KV cache ({_first_line(error)}); "
+                "only decoder LMs with a transformers KV cache can be exported"
+            ) from None
+
+    report = ExportReport(
+        source=loaded.source,
+        ep=profile.name,
+        precision=precision,
+        layout=dataclasses.asdict(layout),
+        notes=list(loaded.notes),
+    )
+    if genai_model_type(layout) != layout.model_type:
+        report.notes.append(
+            f"ONNX Runtime GenAI does not list model type '{layout.model_type}'; "
+            f"genai_config names it '{FALLBACK_DECODER_TYPE}' (same decoder I/O)"
+        )
+
+    with stages.stage("trace"):
+        program, sample_inputs = _run_step("tracing with torch.export", trace, hf_model, layout)
+
+    with stages.stage("fx_passes"):
+        context = PassContext(profile=profile, layout=layout, options={"precision": precision})
+        fx_passes = [FX_PASSES[name] for name in profile.fx_passes]
+        program, fx_records = run_fx_passes(program, fx_passes, context)
+        report.fx_passes = [dataclasses.asdict(r) for r in fx_records]
+
+    with stages.stage("lower"):
+        onnx_model = _run_step("lowering to ONNX", lower, program, sample_inputs, layout)
+        del program
+
+    with stages.stage("onnx_passes"):
+        onnx_records = run_onnx_passes(onnx_model)
+        report.onnx_passes = [dataclasses.asdict(r) for r in onnx_records]
+
+    report.op_counts = op_counts(onnx_model)
+    report.initializers = initializer_summary(onnx_model)
+    report.graph_inputs = [v.name for v in onnx_model.graph.inputs]
+    report.graph_outputs = [v.name for v in onnx_model.graph.outputs]
+
+    with package.staging_folder(output_dir, overwrite) as staging:
+        with stages.stage("package"):
+            package.save_model(onnx_model, staging)
+            genai_config = build_genai_config(
+                layout,
+                profile,
+                loaded.generation_config,
+                report.graph_inputs,
+                package.MODEL_FILENAME,
+                context_length=layout.context_length,
+            )
+            package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
+            package.save_tokenizer(loaded.tokenizer, staging)
+        report.stages = [s.to_dict() for s in stages.records]
+        report.files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
+        package.save_json(report.to_dict(), staging / package.REPORT_FILENAME)
+        (staging / package.REPORT_MARKDOWN_FILENAME).write_text(report.to_markdown())
+    return ExportedPackage(output_dir, report, layout)
+
+
+def _run_step(what: str, function, *args):
+    try:
+        return function(*args)
+    except ExporterError:
+        raise
+    except Exception as error:
+        raise ExporterError(
+            f"{what} failed: {type(error).__name__}: {_first_line(error)} "
+            "(rerun with --debug for the traceback; please report it with the model's config)"
+        ) from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,115 @@
+"""The export report: what ran, how long it took, and what the graph holds."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx_ir as ir
+
+
+def op_counts(model: ir.Model) -> dict[str, int]:
+    counts = Counter(
+        f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        for node in model.graph.all_nodes()
+    )
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def initializer_summary(model: ir.Model, largest: int = 5) -> dict[str, Any]:
+    sizes = []
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if tensor is not None:
+            sizes.append((name, tensor.nbytes, list(tensor.shape.numpy()), str(tensor.dtype)))
+    sizes.sort(key=lambda item: (-item[1], item[0]))
+    return {
+        "count": len(sizes),
+        "total_bytes": sum(size for _, size, _, _ in sizes),
+        "largest": [
+            {"name": name, "bytes": size, "shape": shape, "dtype": dtype}
+            for name, size, shape, dtype in sizes[:largest]
+        ],
+    }
+
+
+@dataclass
+class ExportReport:
+    source: str
+    ep: str
+    precision: str
+    layout: dict[str, Any]
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    fx_passes: list[dict[str, Any]] = field(default_factory=list)
+    onnx_passes: list[dict[str, Any]] = field(default_factory=list)
+    op_counts: dict[str, int] = field(default_factory=dict)
+    initializers: dict[str, Any] = field(default_factory=dict)
+    graph_inputs: list[str] = field(default_factory=list)
+    graph_outputs: list[str] = field(default_factory=list)
+    files: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(stage["seconds"] for stage in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "ep": self.ep,
+            "precision": self.precision,
+            "total_seconds": round(self.total_seconds, 3),
+            "layout": self.layout,
+            "stages": self.stages,
+            "fx_passes": self.fx_passes,
+            "onnx_passes": self.onnx_passes,
+            "op_counts": self.op_counts,
+            "initializers": self.initializers,
+            "graph_inputs": self.graph_inputs,
+            "graph_outputs": self.graph_outputs,
+            "files": self.files,
+            "notes": self.notes,
+        }
+
+    def to_markdown(self) -> str:
+        mib = 1024 * 1024
+        lines = [
+            "# Export report",
+            "",
+            f"- source: {self.source}",
+            f"- execution provider: {self.ep}, precision: {self.precision}",
+            f"- layers: {self.layout['num_layers']}, KV-owning layers: {len(self.layout['kv_layers'])}, "
+            f"KV-shared layers: {self.layout['num_kv_shared_layers']}",
+            f"- total: {self.total_seconds:.1f} s",
+        ]
+        lines += [f"- note: {note}" for note in self.notes]
+        lines += ["", "## Stages", "", "| stage | seconds | peak RSS MiB |", "|---|---:|---:|"]
+        lines += [
+            f"| {s['name']} | {s['seconds']:.2f} | {s['peak_rss_bytes'] / mib:.0f} |" for s in self.stages
+        ]
+        lines += ["", "## FX passes", "", "| pass | changes | seconds |", "|---|---|---:|"]
+        lines += [
+            f"| {p['name']} | {', '.join(f'{k}={v}' for k, v in p['changes'].items()) or '-'} | {p['seconds']:.3f} |"
+            for p in self.fx_passes
+        ]
+        lines += ["", "## ONNX passes", "", "| pass | nodes before | nodes after | seconds |", "|---|---:|---:|---:|"]
+        lines += [
+            f"| {p['name']} | {p['nodes_before']} | {p['nodes_after']} | {p['seconds']:.3f} |" for p in self.onnx_passes
+        ]
+        lines += ["", "## Operators", "", "| op | count |", "|---|---:|"]
+        lines += [f"| {op} | {count} |" for op, count in self.op_counts.items()]
+        init = self.initializers
+        lines += [
+            "",
+            "## Initializers",
+            "",
+            f"{init.get('count', 0)} tensors, {init.get('total_bytes', 0) / mib:.1f} MiB in all. Largest:",
+            "",
+            "| name | shape | dtype | MiB |",
+            "|---|---|---|---:|",
+        ]
+        lines += [
+            f"| {t['name']} | {t['shape']} | {t['dtype']} | {t['bytes'] / mib:.1f} |" for t in init.get("largest", [])
+        ]
+        return "\n".join(lines) + "\n"

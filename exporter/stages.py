@@ -1,0 +1,76 @@
+"""Wall time and resident memory of each pipeline stage, for the report and the benchmark."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """This process's resident set size, from /proc (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    name: str
+    seconds: float
+    peak_rss_bytes: int
+    end_rss_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _PeakSampler(threading.Thread):
+    """Samples RSS every 20 ms: the kernel keeps only the process-lifetime peak, not a stage's."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = resident_bytes()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.02):
+            self.peak = max(self.peak, resident_bytes())
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, resident_bytes())
+        return self.peak
+
+
+class StageLog:
+    """Runs named stages, records each, and tells an optional listener when one starts and ends."""
+
+    def __init__(self, listener: Callable[[str, StageRecord | None], None] | None = None):
+        self.records: list[StageRecord] = []
+        self._listener = listener
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        if self._listener:
+            self._listener(name, None)
+        sampler = _PeakSampler()
+        sampler.start()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            peak = sampler.stop()
+        record = StageRecord(name, seconds, peak, resident_bytes())
+        self.records.append(record)
+        if self._listener:
+            self._listener(name, record)

@@ -1,0 +1,179 @@
+"""Trace a HF decoder with ONNX Runtime GenAI's I/O into one ``torch.export`` program.
+
+Inputs: input_ids [batch, seq], attention_mask [batch, past + seq], position_ids [batch, seq],
+past_key_values.%d.key/value [batch, kv_heads, past, head_dim] for KV-owning layers only.
+Outputs: logits [batch, seq, vocab], present.%d.key/value [batch, kv_heads, past + seq, head_dim].
+One graph serves prefill (past = 0) and decode (seq = 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch.export import Dim, ExportedProgram
+from transformers import DynamicCache, PreTrainedModel, masking_utils
+from transformers.cache_utils import DynamicLayer
+
+from exporter.layout import DecoderLayout
+
+# torch.export specialises a dimension whose sample size is 0 or 1, so every dynamic dimension of
+# the sample inputs must be >= 2; the graph traced at these sizes still serves past=0 and seq=1.
+SAMPLE_BATCH, SAMPLE_SEQ, SAMPLE_PAST = 2, 3, 5
+
+
+def input_names(layout: DecoderLayout) -> list[str]:
+    names = ["input_ids", "attention_mask", "position_ids"]
+    for index in layout.kv_layer_indices:
+        names += [f"past_key_values.{index}.key", f"past_key_values.{index}.value"]
+    return names
+
+
+def output_names(layout: DecoderLayout) -> list[str]:
+    names = ["logits"]
+    for index in layout.kv_layer_indices:
+        names += [f"present.{index}.key", f"present.{index}.value"]
+    return names
+
+
+class GenAIDecoder(torch.nn.Module):
+    """Calls the HF model the way ONNX Runtime GenAI calls the exported graph.
+
+    The cache is a plain ``DynamicCache`` seeded layer by layer: one built from the config would
+    bake in the sliding-window cut, and ``cache.update`` on an empty layer would trace a stray
+    concat with an empty tensor. Sliding windows are applied by the mask, so present KV keeps the
+    full sequence as ONNX Runtime GenAI expects.
+
+    Sliding windows count tokens, not cache slots: ONNX Runtime GenAI pads a batch on the right
+    and appends new tokens after the padding, so a short row's cache has a masked hole in the
+    middle. transformers measures the window in cache slots (right for its own left padding, where
+    the padding is never inside a window), which would let the hole use up window slots.
+    """
+
+    def __init__(self, model: PreTrainedModel, layout: DecoderLayout):
+        super().__init__()
+        self.model = model
+        self.kv_layer_indices = layout.kv_layer_indices
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values):
+        cache = DynamicCache()
+        for slot, layer_index in enumerate(self.kv_layer_indices):
+            while len(cache.layers) <= layer_index:
+                cache.layers.append(DynamicLayer())
+            keys, values = past_key_values[2 * slot], past_key_values[2 * slot + 1]
+            layer = cache.layers[layer_index]
+            layer.keys, layer.values = keys, values
+            layer.dtype, layer.device = keys.dtype, keys.device
+            layer.is_initialized = True
+        with _windows_over_token_positions(attention_mask):
+            outputs = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+        presents = []
+        for layer_index in self.kv_layer_indices:
+            presents += [cache.layers[layer_index].keys, cache.layers[layer_index].values]
+        return (outputs.logits, *presents)
+
+
+@contextlib.contextmanager
+def _windows_over_token_positions(attention_mask: torch.Tensor) -> Iterator[None]:
+    """Make transformers' sliding-window masks compare token positions instead of cache slots.
+
+    A token's position is the number of real tokens before it in its row (``cumsum(mask) - 1``).
+    Within each row, real tokens' positions rise with their cache slots, so the causal part stays
+    slot-based; padding stays excluded by transformers' own padding mask. Without holes (one
+    prompt, or left padding) this is the same mask transformers builds.
+    """
+    token_positions = attention_mask.long().cumsum(-1) - 1
+    original = masking_utils.sliding_window_causal_mask_function
+
+    def sliding_window_over_positions(sliding_window: int):
+        def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+            in_window = token_positions[batch_idx, kv_idx] > token_positions[batch_idx, q_idx] - sliding_window
+            return in_window & masking_utils.causal_mask_function(batch_idx, head_idx, q_idx, kv_idx)
+
+        return inner_mask
+
+    masking_utils.sliding_window_causal_mask_function = sliding_window_over_positions
+    try:
+        yield
+    finally:
+        masking_utils.sliding_window_causal_mask_function = original
+
+
+def make_inputs(
+    layout: DecoderLayout,
+    batch: int,
+    seq: int,
+    past: int,
+    dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+    left_padding: tuple[int, ...] | None = None,
+    past_right_padding: tuple[int, ...] | None = None,
+) -> tuple:
+    """Random inputs in the graph's order.
+
+    ``left_padding[b]`` masks that many leading positions of row b (transformers' batching);
+    ``past_right_padding[b]`` masks that many trailing positions of row b's past, the hole that
+    ONNX Runtime GenAI's right-padded batches leave between a short prompt and its new tokens.
+    """
+    input_ids = torch.randint(0, layout.vocab_size, (batch, seq), generator=generator)
+    attention_mask = torch.ones((batch, past + seq), dtype=torch.long)
+    if left_padding:
+        for row, pad in enumerate(left_padding):
+            attention_mask[row, :pad] = 0
+    if past_right_padding:
+        for row, pad in enumerate(past_right_padding):
+            attention_mask[row, past - pad : past] = 0
+    # Positions as ONNX Runtime GenAI computes them: count of real tokens before each one.
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = positions[:, past:].contiguous()
+    past_kv = []
+    for layer in layout.kv_layers:
+        shape = (batch, layer.num_kv_heads, past, layer.head_dim)
+        past_kv += [torch.randn(shape, generator=generator, dtype=dtype) for _ in range(2)]
+    return input_ids, attention_mask, position_ids, tuple(past_kv)
+
+
+def trace(model: PreTrainedModel, layout: DecoderLayout) -> tuple[ExportedProgram, tuple]:
+    """Returns the program and the sample inputs it was traced with (lowering needs them)."""
+    dtype = next(model.parameters()).dtype
+    sample = make_inputs(layout, SAMPLE_BATCH, SAMPLE_SEQ, SAMPLE_PAST, dtype=dtype,
+                         generator=torch.Generator().manual_seed(0))
+    dynamic = Dim.DYNAMIC
+    dynamic_shapes = (
+        {0: dynamic, 1: dynamic},
+        {0: dynamic, 1: dynamic},
+        {0: dynamic, 1: dynamic},
+        tuple({0: dynamic, 2: dynamic} for _ in sample[3]),
+    )
+    wrapper = GenAIDecoder(model, layout).eval()
+    with torch.no_grad(), _ordered_string_sets(model):
+        program = torch.export.export(wrapper, sample, dynamic_shapes=dynamic_shapes, strict=False)
+    return program, sample
+
+
+@contextlib.contextmanager
+def _ordered_string_sets(model: torch.nn.Module) -> Iterator[None]:
+    """Iterate modules' sets of strings in sorted order while tracing.
+
+    Some models loop over a set (Gemma 4: ``unique_layer_types``, one rotary table per layer type),
+    and string hashing is randomised per process, so the traced node order, and with it the ONNX
+    file, would differ from run to run. A sorted list iterates and answers ``in`` the same way.
+    """
+    replaced = []
+    for module in model.modules():
+        for attribute, value in list(vars(module).items()):
+            if isinstance(value, (set, frozenset)) and value and all(isinstance(v, str) for v in value):
+                replaced.append((module, attribute, value))
+                setattr(module, attribute, sorted(value))
+    try:
+        yield
+    finally:
+        for module, attribute, value in replaced:
+            setattr(module, attribute, value)

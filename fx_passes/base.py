@@ -1,0 +1,51 @@
+"""The FX pass protocol and the loop that runs a chosen list of passes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from torch.export import ExportedProgram
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may read besides the program: the EP profile, the export options and the
+    decoder layout derived from the HF config (never the model's name)."""
+
+    profile: Any
+    layout: Any
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    changes: dict[str, int]
+    seconds: float
+
+
+class FxPass(Protocol):
+    name: str
+
+    def __call__(
+        self, program: ExportedProgram, context: PassContext
+    ) -> tuple[ExportedProgram, dict[str, int]]: ...
+
+
+def run_fx_passes(
+    program: ExportedProgram,
+    passes: list[FxPass],
+    context: PassContext,
+    on_pass: Callable[[PassRecord], None] | None = None,
+) -> tuple[ExportedProgram, list[PassRecord]]:
+    records = []
+    for fx_pass in passes:
+        start = time.perf_counter()
+        program, changes = fx_pass(program, context)
+        record = PassRecord(fx_pass.name, dict(changes), time.perf_counter() - start)
+        records.append(record)
+        if on_pass is not None:
+            on_pass(record)
+    return program, records

@@ -1,0 +1,34 @@
+"""Erase the tensor-metadata assertions torch.export leaves in the graph.
+
+``aten._assert_tensor_metadata`` nodes check dtypes and devices of intermediate tensors at run
+time. They have no users, yet dead-code elimination keeps them because they are side-effecting,
+so later passes that match dataflow around them would have to step over them. They carry no
+meaning for the ONNX graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+
+from fx_passes.base import PassContext
+
+_ASSERT_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+class DropRuntimeAsserts:
+    name = "drop_runtime_asserts"
+
+    def __call__(
+        self, program: ExportedProgram, context: PassContext
+    ) -> tuple[ExportedProgram, dict[str, int]]:
+        graph = program.graph_module.graph
+        erased = 0
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target in _ASSERT_TARGETS and not node.users:
+                graph.erase_node(node)
+                erased += 1
+        if erased:
+            graph.lint()
+            program.graph_module.recompile()
+        return program, {"asserts_erased": erased}

@@ -1,0 +1,118 @@
+"""Bad input: a one-line error that says what to do, a non-zero exit, no partial package."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+from exporter import ExporterError, export, pipeline
+from exporter.cli import main
+from exporter.presets import build_preset
+
+
+def _run_cli(args, capsys) -> tuple[int, str]:
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+def _assert_nothing_written(parent, name):
+    assert not (parent / name).exists()
+    assert not [p for p in parent.iterdir() if ".partial-" in p.name], "staging folder left behind"
+
+
+def test_unknown_name(tmp_path, capsys):
+    code, message = _run_cli(["no-such-model", "-o", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert message.startswith("error: unknown model 'no-such-model'") and "python -m exporter list" in message
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_missing_path(tmp_path, capsys):
+    code, message = _run_cli([str(tmp_path / "missing" / "model"), "-o", str(tmp_path / "out")], capsys)
+    assert code == 2 and "does not exist" in message
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_folder_without_config(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    code, message = _run_cli([str(tmp_path / "model"), "-o", str(tmp_path / "out")], capsys)
+    assert code == 2 and "has no config.json" in message
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_encoder_model_is_refused(tmp_path, capsys):
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=128)
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
+    code, message = _run_cli([str(tmp_path / "bert"), "-o", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert "BertForMaskedLM is not a decoder language model" in message
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_existing_output_folder_is_refused(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("user data")
+    code, message = _run_cli(["tiny-llama", "-o", str(tmp_path / "out")], capsys)
+    assert code == 2 and "exists" in message and "--overwrite" in message
+    assert (tmp_path / "out" / "keep.txt").read_text() == "user data"
+
+
+def test_unsupported_ep_and_precision(tmp_path, capsys):
+    code, message = _run_cli(["tiny-llama", "--ep", "webgpu", "-o", str(tmp_path / "a")], capsys)
+    assert code == 2 and "not supported yet" in message and "cpu" in message
+    code, message = _run_cli(["tiny-llama", "--ep", "tpu", "-o", str(tmp_path / "b")], capsys)
+    assert code == 2 and "unknown EP 'tpu'" in message
+    code, message = _run_cli(["tiny-llama", "--precision", "int4", "-o", str(tmp_path / "c")], capsys)
+    assert code == 2 and "precision 'int4'" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_failing_midway_leaves_nothing(tmp_path, capsys, monkeypatch):
+    def broken_lowering(*args):
+        raise RuntimeError("simulated lowering failure")
+
+    monkeypatch.setattr(pipeline, "lower", broken_lowering)
+    code, message = _run_cli(["tiny-llama", "-o", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert message == (
+        "error: lowering to ONNX failed: RuntimeError: simulated lowering failure "
+        "(rerun with --debug for the traceback; please report it with the model's config)"
+    )
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_failure_while_writing_removes_the_staging_folder(tmp_path, monkeypatch):
+    from exporter import package
+
+    def broken_save(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(package, "save_tokenizer", broken_save)
+    model, tokenizer = build_preset("tiny-llama")
+    with pytest.raises(OSError, match="disk full"):
+        export(model, tokenizer, output_dir=tmp_path / "out")
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_in_memory_model_needs_its_tokenizer(tmp_path):
+    model, _ = build_preset("tiny-llama")
+    with pytest.raises(ExporterError, match="needs the model's tokenizer"):
+        export(model, output_dir=tmp_path / "out")
+
+
+def test_remote_code_stays_off(tmp_path, capsys):
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "my_custom_lm",
+        "architectures": ["MyCustomForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"},
+    }))
+    (folder / "configuration_custom.py").write_text("raise SystemExit('remote code ran')\n")
+    code, message = _run_cli([str(folder), "-o", str(tmp_path / "out")], capsys)
+    assert code == 2 and "--trust-remote-code" in message
+    _assert_nothing_written(tmp_path, "out")

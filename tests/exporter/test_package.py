@@ -1,0 +1,97 @@
+"""The package: genai_config consistent with the graph, report contents, determinism, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import onnx
+import onnx.numpy_helper
+import onnxruntime_genai as og
+import pytest
+
+from exporter import export
+from exporter.presets import build_preset
+from exporter.trace import input_names, output_names
+
+
+@pytest.mark.l1
+def test_genai_config_matches_graph(family_export):
+    package, layout = family_export.package, family_export.package.layout
+    config = json.loads((package.path / "genai_config.json").read_text())
+    og.Config(str(package.path))  # ONNX Runtime GenAI parses it
+    graph = onnx.load(str(package.model_path), load_external_data=False).graph
+    decoder = config["model"]["decoder"]
+    graph_inputs = {i.name: i for i in graph.input}
+    assert list(graph_inputs) == input_names(layout)
+    assert [o.name for o in graph.output] == output_names(layout)
+    for index in layout.kv_layer_indices:
+        dims = graph_inputs[f"past_key_values.{index}.key"].type.tensor_type.shape.dim
+        assert [d.dim_param or d.dim_value for d in dims] == [
+            "batch_size", layout.kv_layers[layout.kv_layer_indices.index(index)].num_kv_heads,
+            "past_sequence_length", layout.kv_layers[layout.kv_layer_indices.index(index)].head_dim,
+        ]
+    assert decoder["head_size"] == layout.kv_layers[0].head_dim
+    assert decoder["num_key_value_heads"] == layout.kv_layers[0].num_kv_heads
+    assert decoder["num_hidden_layers"] == layout.num_layers
+    assert config["model"]["vocab_size"] == layout.vocab_size
+    assert config["model"]["eos_token_id"] == 1 and config["model"]["pad_token_id"] == 0
+    assert config["search"]["max_length"] == config["model"]["context_length"]
+
+
+@pytest.mark.l1
+def test_gemma4_layout_and_report(preset_exports):
+    package = preset_exports.get("tiny-gemma-4").package
+    layout = package.layout
+    assert layout.kv_layer_indices == (0, 1, 2, 3, 4, 5)
+    assert layout.shared_layer_indices == (6, 7, 8, 9)
+    assert {k.head_dim for k in layout.kv_layers} == {32, 64}  # sliding and full layers
+    report = json.loads((package.path / "export_report.json").read_text())
+    assert [s["name"] for s in report["stages"]] == ["load", "trace", "fx_passes", "lower", "onnx_passes", "package"]
+    assert all(s["seconds"] > 0 and s["peak_rss_bytes"] > 0 for s in report["stages"])
+    assert report["fx_passes"][0]["name"] == "drop_runtime_asserts"
+    assert report["fx_passes"][0]["changes"]["asserts_erased"] > 0
+    assert report["op_counts"]["MatMul"] > 0
+    stored = onnx.load(str(package.model_path)).graph.initializer
+    assert report["initializers"]["count"] == len(stored)
+    assert report["initializers"]["total_bytes"] == sum(onnx.numpy_helper.to_array(t).nbytes for t in stored)
+    assert report["files"]["model.onnx.data"] == (package.path / "model.onnx.data").stat().st_size
+    assert "| trace |" in (package.path / "export_report.md").read_text()
+
+
+def test_export_is_deterministic_across_processes(preset_exports, tmp_path):
+    """A second export in a fresh process, with another string-hash seed, is byte-identical."""
+    first = preset_exports.get("tiny-gemma-4").package.path
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    subprocess.run(
+        [sys.executable, "-m", "exporter", "tiny-gemma-4", "-o", str(tmp_path / "again")],
+        check=True, env=env, capture_output=True,
+    )
+    for name in ("model.onnx", "model.onnx.data", "genai_config.json"):
+        assert (first / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+
+
+def test_cli_overwrite_and_summary(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "stale.txt").write_text("old")
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", "tiny-llama", "-o", str(target), "--overwrite"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "lowering to ONNX" in result.stderr
+    assert result.stdout.startswith(f"Wrote {target} in ")
+    assert not (target / "stale.txt").exists()
+    assert (target / "model.onnx").is_file()
+
+
+def test_cli_list_names_presets_aliases_and_eps(capsys):
+    from exporter.cli import main
+
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("tiny-gemma-4", "gemma-4-e2b-shape", "gemma-4-e2b", "google/gemma-4-E2B-it", "cpu", "webgpu"):
+        assert name in out

@@ -1,0 +1,95 @@
+"""Model sources: local folders (safe loading), hub ids offline, multimodal checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+
+from exporter import ExporterError, export
+from exporter.package import save_tokenizer
+from exporter.presets import build_preset
+from exporter.sources import LoadOptions, load
+from exporter.trace import GenAIDecoder, input_names, make_inputs
+
+
+def _logits_match(package, model, tolerance=1e-4):
+    layout = package.layout
+    inputs = make_inputs(layout, 1, 5, 3, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = GenAIDecoder(model, layout)(*inputs)[0].numpy()
+    session = ort.InferenceSession(str(package.model_path), providers=["CPUExecutionProvider"])
+    feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])]))
+    return float(np.max(np.abs(session.run(["logits"], feeds)[0] - expected))) <= tolerance
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    model, tokenizer = build_preset("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model
+
+
+def test_local_folder_exports_from_safetensors(llama_folder, tmp_path):
+    folder, model = llama_folder
+    package = export(str(folder), output_dir=tmp_path / "pkg")
+    assert package.report.source == f"folder {folder}"
+    assert (package.path / "tokenizer.json").is_file()
+    assert _logits_match(package, model)
+
+
+def test_pickled_weights_need_opt_in(tmp_path):
+    model, tokenizer = build_preset("tiny-llama")
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    tokenizer.save_pretrained(folder)
+    assert not list(folder.glob("*.safetensors")) and list(folder.glob("*.bin"))
+    with pytest.raises(ExporterError, match="only pickled .bin weights.*--allow-pickled-weights"):
+        load(str(folder))
+    loaded = load(str(folder), options=LoadOptions(allow_pickled_weights=True))
+    torch.testing.assert_close(loaded.model.lm_head.weight, model.lm_head.weight)
+
+
+def test_hub_id_offline_names_alternatives(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ExporterError, match="cannot fetch 'google/gemma-4-E2B-it'.*preset"):
+        load("gemma-4-e2b")
+
+
+def test_tokenizer_file_names_cannot_escape_the_package(tmp_path):
+    _, tokenizer = build_preset("tiny-llama")
+    tokenizer.vocab_files_names = {"tokenizer_file": "../escaped.json"}
+    package_dir = tmp_path / "pkg"
+    package_dir.mkdir()
+    with pytest.raises(ExporterError, match="not a plain file name"):
+        save_tokenizer(tokenizer, package_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
+    assert list(package_dir.iterdir()) == []
+
+
+def test_multimodal_gemma4_exports_its_language_model(tmp_path):
+    text_model, tokenizer = build_preset("tiny-gemma-4")
+    config = transformers.Gemma4Config(
+        text_config=text_model.config.to_dict(),
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16},
+        audio_config=None,
+    )
+    torch.manual_seed(0)
+    multimodal = transformers.Gemma4ForConditionalGeneration(config).eval()
+    multimodal.model.language_model.load_state_dict(text_model.model.state_dict())
+    folder = tmp_path / "multimodal"
+    multimodal.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+    package = export(str(folder), output_dir=tmp_path / "pkg")
+    assert any("multimodal" in note and "text-only" in note for note in package.report.notes)
+    assert package.layout.model_type == "gemma4_text"
+    assert package.layout.shared_layer_indices == (6, 7, 8, 9)
+    assert _logits_match(package, text_model)
