@@ -10,7 +10,7 @@ CPU = EpProfile(
     ort_provider="CPUExecutionProvider",
     precisions=("fp32",),
     description="ONNX Runtime's default CPU provider",
-    fx_passes=("drop_runtime_asserts",),
+    fx_passes=("drop_runtime_asserts", "drop_noop_casts"),
 )
 
 PROFILES: dict[str, EpProfile] = {p.name: p for p in (CPU,)}

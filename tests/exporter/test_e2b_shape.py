@@ -1,0 +1,43 @@
+"""The 35-layer gemma-4-e2b-shape preset end to end (slow: about 1.5 minutes on 2 cores)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from exporter.trace import GenAIDecoder, input_names, make_inputs
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def e2b_shape(preset_exports):
+    return preset_exports.get("gemma-4-e2b-shape")
+
+
+@pytest.mark.l1
+def test_layout_matches_e2b_kv_sharing(e2b_shape):
+    layout = e2b_shape.package.layout
+    assert layout.num_layers == 35
+    assert layout.kv_layer_indices == tuple(range(15))
+    assert layout.shared_layer_indices == tuple(range(15, 35))
+    full_layers = {4, 9, 14}
+    assert all(k.head_dim == (512 if k.index in full_layers else 256) for k in layout.kv_layers)
+    assert all(k.num_kv_heads == 1 for k in layout.kv_layers)
+
+
+@pytest.mark.l3
+def test_onnx_runtime_matches_pytorch(e2b_shape):
+    layout = e2b_shape.package.layout
+    session = ort.InferenceSession(str(e2b_shape.package.model_path), providers=["CPUExecutionProvider"])
+    reference = GenAIDecoder(e2b_shape.model, layout).eval()
+    generator = torch.Generator().manual_seed(0)
+    for batch, seq, past in [(1, 16, 0), (2, 1, 24)]:
+        inputs = make_inputs(layout, batch, seq, past, generator=generator)
+        with torch.no_grad():
+            expected = [t.numpy() for t in reference(*inputs)]
+        feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])]))
+        for got, want in zip(session.run(None, feeds), expected):
+            assert float(np.max(np.abs(got - want))) <= 1e-4
