@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="package folder to create (default: ./<model>-<ep>-<precision>)")
     parser.add_argument("--precision", choices=PRECISIONS, help="weight precision (default: the EP's)")
     parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
+    parser.add_argument("--full-logits", action="store_true",
+                        help="output logits for every position (for scoring); by default only each "
+                             "sequence's last token, which is all generation reads and much faster to prefill")
     parser.add_argument("--allow-pickled-weights", action="store_true",
                         help="load pickled .bin weights, which can run arbitrary code; only for sources you trust")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             precision=args.precision,
             output_dir=output,
             overwrite=args.overwrite,
+            full_logits=args.full_logits,
             allow_pickled_weights=args.allow_pickled_weights,
             trust_remote_code=args.trust_remote_code,
             on_stage=_Progress(),

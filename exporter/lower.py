@@ -18,6 +18,7 @@ from torch.export import ExportedProgram
 
 from exporter.layout import DecoderLayout
 from exporter.trace import input_names, output_names
+from fx_passes.markers import ONNX_TRANSLATIONS
 
 OPSET = 21
 
@@ -38,6 +39,7 @@ def lower(program: ExportedProgram, sample_inputs: tuple, layout: DecoderLayout)
             dynamo=True,
             optimize=False,
             opset_version=OPSET,
+            custom_translation_table=ONNX_TRANSLATIONS,
             verbose=False,
             report=False,
         )

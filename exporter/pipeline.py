@@ -26,6 +26,7 @@ from exporter.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
 from exporter.trace import trace
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
+from fx_passes.graph_facts import PassDidNotApply
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
 
@@ -49,6 +50,7 @@ def export(
     output_dir: str | Path,
     precision: str | None = None,
     overwrite: bool = False,
+    full_logits: bool = False,
     allow_pickled_weights: bool = False,
     trust_remote_code: bool = False,
     on_stage: Callable[[str, StageRecord | None], None] | None = None,
@@ -56,8 +58,10 @@ def export(
     """Export a decoder LM to an ONNX Runtime GenAI package in ``output_dir``.
 
     ``model`` is a preset name, a local Hugging Face folder, a hub id or alias, or an in-memory
-    ``PreTrainedModel`` (then ``tokenizer`` is required). ``on_stage(name, record)`` is called
-    with ``record=None`` when a stage starts and with its timings when it ends.
+    ``PreTrainedModel`` (then ``tokenizer`` is required). By default the graph computes logits
+    for each sequence's last token only (what generation reads); ``full_logits=True`` keeps all
+    positions, for scoring. ``on_stage(name, record)`` is called with ``record=None`` when a
+    stage starts and with its timings when it ends.
     """
     try:
         profile = get_profile(ep)
@@ -103,9 +107,13 @@ def export(
 
     with stages.stage("fx_passes"):
         context = PassContext(profile=profile, layout=layout, options={"precision": precision})
-        fx_passes = [FX_PASSES[name] for name in profile.fx_passes]
-        program, fx_records = run_fx_passes(program, fx_passes, context)
+        fx_passes = [FX_PASSES[name] for name in fx_pass_names(profile, layout, full_logits)]
+        try:
+            program, fx_records = run_fx_passes(program, fx_passes, context)
+        except PassDidNotApply as error:
+            raise ExporterError(f"FX pass failed: {error}") from error
         report.fx_passes = [dataclasses.asdict(r) for r in fx_records]
+        report.notes += [note for r in fx_records if (note := _describe_truncation(r.changes))]
 
     with stages.stage("lower"):
         onnx_model = _run_step("lowering to ONNX", lower, program, sample_inputs, layout)
@@ -138,6 +146,31 @@ def export(
         package.save_json(report.to_dict(), staging / package.REPORT_FILENAME)
         (staging / package.REPORT_MARKDOWN_FILENAME).write_text(report.to_markdown())
     return ExportedPackage(output_dir, report, layout)
+
+
+def fx_pass_names(profile, layout: DecoderLayout, full_logits: bool) -> list[str]:
+    """The profile's passes, then the last-token passes unless all logits are wanted; the
+    shared-KV truncation only where the model has KV-shared layers."""
+    names = list(profile.fx_passes)
+    if not full_logits:
+        names.append("gather_last_token")
+        if layout.shared_layer_indices:
+            names.append("truncate_shared_kv_layers")
+    return names
+
+
+def _describe_truncation(changes: dict[str, int]) -> str | None:
+    if "layers_on_last_token" not in changes:
+        return None
+    num_layers, shared = changes["num_layers"], changes["layers_on_last_token"]
+    first_shared, first = num_layers - shared, changes["first_truncated_layer"]
+    note = (
+        f"prefill truncation at layer {first_shared} of {num_layers}: {shared} layers "
+        f"({first_shared}-{num_layers - 1}, KV-shared) run on the last token only"
+    )
+    if first < first_shared:
+        note += f"; layer {first} runs its query path and MLP on it too"
+    return note
 
 
 def _run_step(what: str, function, *args):

@@ -51,10 +51,11 @@ class GenAIDecoder(torch.nn.Module):
     the padding is never inside a window), which would let the hole use up window slots.
     """
 
-    def __init__(self, model: PreTrainedModel, layout: DecoderLayout):
+    def __init__(self, model: PreTrainedModel, layout: DecoderLayout, logits_to_keep: int = 0):
         super().__init__()
         self.model = model
         self.kv_layer_indices = layout.kv_layer_indices
+        self.logits_to_keep = logits_to_keep  # transformers' own truncation; tests use it as an oracle
 
     def forward(self, input_ids, attention_mask, position_ids, past_key_values):
         cache = DynamicCache()
@@ -73,6 +74,7 @@ class GenAIDecoder(torch.nn.Module):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
+                logits_to_keep=self.logits_to_keep,
             )
         presents = []
         for layer_index in self.kv_layer_indices:
@@ -115,12 +117,14 @@ def make_inputs(
     generator: torch.Generator | None = None,
     left_padding: tuple[int, ...] | None = None,
     past_right_padding: tuple[int, ...] | None = None,
+    right_padding: tuple[int, ...] | None = None,
 ) -> tuple:
     """Random inputs in the graph's order.
 
     ``left_padding[b]`` masks that many leading positions of row b (transformers' batching);
     ``past_right_padding[b]`` masks that many trailing positions of row b's past, the hole that
-    ONNX Runtime GenAI's right-padded batches leave between a short prompt and its new tokens.
+    ONNX Runtime GenAI's right-padded batches leave between a short prompt and its new tokens;
+    ``right_padding[b]`` masks that many trailing positions (GenAI's batched prefill).
     """
     input_ids = torch.randint(0, layout.vocab_size, (batch, seq), generator=generator)
     attention_mask = torch.ones((batch, past + seq), dtype=torch.long)
@@ -130,6 +134,9 @@ def make_inputs(
     if past_right_padding:
         for row, pad in enumerate(past_right_padding):
             attention_mask[row, past - pad : past] = 0
+    if right_padding:
+        for row, pad in enumerate(right_padding):
+            attention_mask[row, past + seq - pad :] = 0
     # Positions as ONNX Runtime GenAI computes them: count of real tokens before each one.
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     position_ids = positions[:, past:].contiguous()

@@ -3,6 +3,11 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
 
     python scripts/benchmark.py                       # gemma-4-e2b-shape, prompts of 128 and 512
     python scripts/benchmark.py tiny-llama --prompt-lengths 32 64 --decode-tokens 16
+    python scripts/benchmark.py --truncation          # prefill truncation on vs off, 128/512/1024
+
+--truncation exports the model twice (last-token passes on, and off via full_logits), then times
+time-to-first-token for both packages alternately in one run, next to the ratio predicted from
+the FLOPs each variant's program does (counted by torch's FlopCounterMode on the FX programs).
 
 Prompts are random token ids (fixed seed), so the numbers measure the graph, not the text.
 Each TTFT is the median of --repeats runs.
@@ -32,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, help="keep the package here (default: a temporary folder)")
+    parser.add_argument("--truncation", action="store_true",
+                        help="compare prefill with the last-token passes on vs off (prompts 128/512/1024)")
     return parser.parse_args()
 
 
@@ -76,8 +83,95 @@ def benchmark_generation(package_dir: Path, vocab_size: int, prompt_lengths, dec
     return rows
 
 
+def _time_to_first_token(model, prompt) -> float:
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=prompt.shape[1] + 1, do_sample=False)
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens(prompt)
+    generator.get_next_tokens()
+    return time.perf_counter() - start
+
+
+def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
+    """FLOPs of one prefill (batch 1, no past) for the program without and with the passes."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
+
+    from ep_profiles import get_profile
+    from exporter.layout import derive_layout
+    from exporter.pipeline import fx_pass_names
+    from exporter.trace import make_inputs, trace
+    from fx_passes import FX_PASSES, PassContext, run_fx_passes
+
+    # CPU attention with a mask runs this kernel, which FlopCounterMode does not count by itself.
+    @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+    def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    layout = derive_layout(model)
+    program, _ = trace(model, layout)
+    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    flops: dict[str, dict[int, int]] = {"off": {}, "on": {}}
+    for variant, full_logits in (("off", True), ("on", False)):
+        if variant == "on":
+            extra = fx_pass_names(get_profile("cpu"), layout, full_logits=False)[len(get_profile("cpu").fx_passes):]
+            program, _ = run_fx_passes(program, [FX_PASSES[n] for n in extra], context)
+        for length in prompt_lengths:
+            inputs = make_inputs(layout, 1, length, 0, generator=torch.Generator().manual_seed(0))
+            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                program.module()(*inputs)
+            flops[variant][length] = counter.get_total_flops()
+    return flops
+
+
+def benchmark_truncation(args) -> None:
+    import onnxruntime_genai as og
+
+    from exporter.sources import load
+
+    lengths = args.prompt_lengths if args.prompt_lengths != [128, 512] else [128, 512, 1024]
+    loaded = load(args.model)
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = {}
+        for variant, full_logits in (("off", True), ("on", False)):
+            print(f"exporting with the last-token passes {variant} ...", file=sys.stderr, flush=True)
+            packages[variant] = export(loaded.model, loaded.tokenizer, output_dir=Path(scratch) / variant,
+                                       full_logits=full_logits)
+        note = next((n for n in packages["on"].report.notes if "truncation" in n), "no truncation note")
+        print("counting FLOPs ...", file=sys.stderr, flush=True)
+        flops = predicted_flops(loaded.model, lengths)
+        models = {variant: og.Model(str(package.path)) for variant, package in packages.items()}
+        rng = np.random.default_rng(0)
+        times: dict[str, dict[int, list[float]]] = {"off": {}, "on": {}}
+        for length in lengths:
+            prompt = rng.integers(3, packages["on"].layout.vocab_size, size=(1, length), dtype=np.int32)
+            _time_to_first_token(models["on"], prompt)  # warm-up, discarded
+            _time_to_first_token(models["off"], prompt)
+            for repeat in range(args.repeats):
+                order = ("off", "on") if repeat % 2 == 0 else ("on", "off")
+                for variant in order:
+                    times[variant].setdefault(length, []).append(_time_to_first_token(models[variant], prompt))
+        print(f"\n## Prefill truncation, {args.model}, ONNX Runtime GenAI CPU fp32 "
+              f"(median of {args.repeats}, alternating)\n")
+        print(f"{note}\n")
+        print("| prompt | TTFT off ms | TTFT on ms | measured off/on | GFLOP off | GFLOP on | predicted off/on "
+              "| measured vs predicted |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for length in lengths:
+            off, on = statistics.median(times["off"][length]), statistics.median(times["on"][length])
+            predicted = flops["off"][length] / flops["on"][length]
+            print(f"| {length} | {off * 1000:.0f} | {on * 1000:.0f} | {off / on:.2f} | "
+                  f"{flops['off'][length] / 1e9:.1f} | {flops['on'][length] / 1e9:.1f} | {predicted:.2f} | "
+                  f"{(off / on) / predicted - 1:+.0%} |")
+
+
 def main() -> None:
     args = parse_args()
+    if args.truncation:
+        benchmark_truncation(args)
+        return
     with tempfile.TemporaryDirectory() as scratch:
         output = args.output or Path(scratch) / "package"
         wall = time.perf_counter()

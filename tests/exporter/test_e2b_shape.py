@@ -18,6 +18,14 @@ def e2b_shape(preset_exports):
 
 
 @pytest.mark.l1
+def test_report_shows_truncation_at_layer_15(e2b_shape):
+    assert (
+        "prefill truncation at layer 15 of 35: 20 layers (15-34, KV-shared) run on the last token only; "
+        "layer 14 runs its query path and MLP on it too"
+    ) in e2b_shape.package.report.notes
+
+
+@pytest.mark.l1
 def test_layout_matches_e2b_kv_sharing(e2b_shape):
     layout = e2b_shape.package.layout
     assert layout.num_layers == 35
@@ -38,6 +46,8 @@ def test_onnx_runtime_matches_pytorch(e2b_shape):
         inputs = make_inputs(layout, batch, seq, past, generator=generator)
         with torch.no_grad():
             expected = [t.numpy() for t in reference(*inputs)]
+        expected[0] = expected[0][:, -1:]  # generation package: the last token's logits (no padding here)
         feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])]))
         for got, want in zip(session.run(None, feeds), expected):
+            assert got.shape == want.shape
             assert float(np.max(np.abs(got - want))) <= 1e-4

@@ -7,43 +7,70 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from exporter import export
 from exporter.trace import GenAIDecoder, input_names, make_inputs
 
 # fp32 through different kernels (MLAS vs ATen) and different summation orders: observed max
 # differences are ~5e-6; 1e-4 leaves room without hiding a wrong mask or a wrong position.
 TOLERANCE = 1e-4
 
-# (batch, seq, past, left padding per row, right padding of the past per row)
+# (batch, seq, past, padding): padding is make_inputs' keyword arguments
 CASES = [
-    (1, 7, 0, None, None),
-    (2, 1, 9, None, None),
-    (3, 20, 0, None, None),
-    (1, 1, 30, None, None),
-    (2, 6, 0, (0, 3), None),  # prefill of a batch whose second prompt is left-padded by 3
-    (2, 1, 8, (0, 3), None),  # a decode step of that batch
-    (2, 1, 8, None, (0, 3)),  # a decode step of a right-padded batch, as ONNX Runtime GenAI pads
+    (1, 7, 0, {}),
+    (2, 1, 9, {}),
+    (3, 20, 0, {}),
+    (1, 1, 30, {}),
+    (2, 6, 0, {"left_padding": (0, 3)}),  # transformers' batching: a prompt left-padded by 3
+    (2, 1, 8, {"left_padding": (0, 3)}),  # a decode step of that batch
+    (2, 6, 0, {"right_padding": (0, 3)}),  # ONNX Runtime GenAI's batching: right-padded prefill
+    (2, 1, 8, {"past_right_padding": (0, 3)}),  # its decode step, with the padding as a hole
 ]
+
+
+def last_real_token(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """[batch, seq, vocab] -> [batch, 1, vocab] at each row's last unmasked position."""
+    seq = logits.shape[1]
+    chunk = attention_mask[:, attention_mask.shape[1] - seq :]
+    rows = [max((j for j in range(seq) if chunk[b, j]), default=0) for b in range(len(chunk))]
+    return np.stack([logits[b, j] for b, j in enumerate(rows)])[:, None, :]
 
 
 @pytest.mark.l3
 def test_onnx_runtime_matches_pytorch(family_export):
-    package, layout = family_export.package, family_export.package.layout
+    """Generation packages: logits of each row's last real token, every present KV in full."""
+    check_parity(family_export.package, family_export.model)
+
+
+@pytest.mark.l3
+def test_full_logits_package_matches_pytorch(preset_exports, tmp_path):
+    """--full-logits keeps every position (and turns the truncation passes off)."""
+    exported = preset_exports.get("tiny-gemma-4")
+    package = export(exported.model, exported.tokenizer, output_dir=tmp_path / "full", full_logits=True)
+    assert [r["name"] for r in package.report.fx_passes] == ["drop_runtime_asserts", "drop_noop_casts"]
+    check_parity(package, exported.model)
+
+
+def check_parity(package, model):
+    layout = package.layout
     session = ort.InferenceSession(str(package.model_path), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == input_names(layout)
-    reference = GenAIDecoder(family_export.model, layout).eval()
+    reference = GenAIDecoder(model, layout).eval()
     generator = torch.Generator().manual_seed(0)
-    for batch, seq, past, padding, right_padding in CASES:
-        inputs = make_inputs(layout, batch, seq, past, generator=generator, left_padding=padding,
-                             past_right_padding=right_padding)
+    for batch, seq, past, padding in CASES:
+        inputs = make_inputs(layout, batch, seq, past, generator=generator, **padding)
         with torch.no_grad():
             expected = [t.numpy() for t in reference(*inputs)]
         feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])]))
         actual = session.run(None, feeds)
         assert len(actual) == len(expected)
         real = inputs[1].numpy().astype(bool)  # [batch, past + seq]: False at padding
+        if actual[0].shape[1] == 1:
+            expected[0] = last_real_token(expected[0], real)
         for name, got, want in zip([o.name for o in session.get_outputs()], actual, expected):
             assert got.shape == want.shape, name
-            if name == "logits":
+            if name == "logits" and got.shape[1] == 1:
+                pass  # already each row's last real token
+            elif name == "logits":
                 # A padded query position attends to nothing; its output is never read.
                 keep = real[:, past:]
                 got, want = got[keep], want[keep]

@@ -1,0 +1,65 @@
+"""Gather each row's last real token before the projection to the vocabulary.
+
+Generation reads only the last position's logits, so the LM head (a [hidden, vocab] matmul, by
+far the widest in small models) and whatever follows it (soft-capping, scaling) run on one row
+per sequence. The logits output becomes [batch, 1, vocab], which ONNX Runtime GenAI recognises
+as last-token logits. The projection is found from the graph: walking back from the logits
+output through single-input operations to the first linear/matmul whose output width is the
+vocabulary size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+
+from fx_passes.base import PassContext
+from fx_passes.graph_facts import PassDidNotApply, axes_equal_to, graph_outputs, sequence_symbol, user_input
+from fx_passes.markers import last_token
+
+_aten = torch.ops.aten
+_PROJECTIONS = (_aten.linear.default, _aten.matmul.default, _aten.mm.default)
+
+
+def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.fx.Node, axis: int) -> torch.fx.Node:
+    with graph.inserting_after(tensor):
+        gathered = graph.call_function(torch.ops.genai_exporter.last_token.default, (tensor, mask, axis))
+    value = tensor.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        with torch._guards.detect_fake_mode([value]) or torch._subclasses.FakeTensorMode():
+            gathered.meta["val"] = last_token(value, mask.meta["val"], axis)
+    return gathered
+
+
+class GatherLastToken:
+    name = "gather_last_token"
+
+    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
+        graph = program.graph
+        logits = graph_outputs(program)[0]
+        vocab_size = context.layout.vocab_size
+        walked = []
+        node = logits
+        while isinstance(node, torch.fx.Node) and node.op == "call_function":
+            walked.append(str(node.target))
+            value = node.meta.get("val")
+            if node.target in _PROJECTIONS and isinstance(value, torch.Tensor) and value.shape[-1] == vocab_size:
+                break
+            node = next(iter(node.all_input_nodes), None)
+        else:
+            raise PassDidNotApply(
+                f"{self.name}: found no projection to the vocabulary (linear/matmul with {vocab_size} outputs) "
+                f"feeding the logits output; walked back through: {', '.join(walked) or 'nothing'}"
+            )
+        hidden = node.args[0]
+        axes = axes_equal_to(hidden, sequence_symbol(program))
+        if len(axes) != 1:
+            raise PassDidNotApply(
+                f"{self.name}: the LM head's input {hidden.name} has shape "
+                f"{tuple(hidden.meta['val'].shape)}; expected exactly one sequence axis"
+            )
+        gathered = insert_last_token(graph, hidden, user_input(program, "attention_mask"), axes[0])
+        node.replace_input_with(hidden, gathered)
+        graph.lint()
+        program.graph_module.recompile()
+        return program, {"gathers": 1}

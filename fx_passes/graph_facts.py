@@ -1,0 +1,73 @@
+"""What passes read off a torch.export program: its user inputs and outputs, the symbolic
+sequence length, dataflow ancestry, and which decoder layer a node belongs to."""
+
+from __future__ import annotations
+
+import re
+
+import sympy
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+_LAYER_PATTERN = re.compile(r"\.layers\.(\d+)(?:\.|$)")
+
+
+class PassDidNotApply(RuntimeError):
+    """A pass that should have changed the program could not; the message says what it looked
+    for and what it found."""
+
+
+def user_input(program: ExportedProgram, name: str) -> Node:
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name == name:
+            return node
+    raise PassDidNotApply(f"the program has no user input named '{name}'")
+
+
+def graph_outputs(program: ExportedProgram) -> list[Node]:
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    return list(output.args[0])
+
+
+def sequence_symbol(program: ExportedProgram) -> sympy.Expr:
+    """The symbolic length of the current chunk of tokens (input_ids' second dimension)."""
+    size = user_input(program, "input_ids").meta["val"].shape[1]
+    if not isinstance(size, torch.SymInt):
+        raise PassDidNotApply("input_ids has a static sequence length; the program was traced without dynamic shapes")
+    return size.node.expr
+
+
+def expr_of(value) -> sympy.Expr | None:
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    if isinstance(value, int):
+        return sympy.Integer(value)
+    return None
+
+
+def axes_equal_to(node: Node, expr: sympy.Expr) -> list[int]:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return []
+    return [axis for axis, size in enumerate(value.shape) if expr_of(size) == expr]
+
+
+def ancestors(roots) -> set[Node]:
+    seen: set[Node] = set()
+    stack = [r for r in roots if isinstance(r, Node)]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def layer_index(node: Node) -> int | None:
+    """The decoder layer a node was traced in (from ``nn_module_stack``), or None outside layers."""
+    for path, _ in reversed(list(node.meta.get("nn_module_stack", {}).values())):
+        match = _LAYER_PATTERN.search("." + path)
+        if match:
+            return int(match.group(1))
+    return None

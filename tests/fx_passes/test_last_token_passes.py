@@ -1,0 +1,122 @@
+"""L2 / L1: last-token gathering and shared-KV truncation, run in PyTorch against the untouched
+program and against transformers' own ``logits_to_keep=1`` path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ep_profiles import get_profile
+from exporter.layout import derive_layout
+from exporter.pipeline import fx_pass_names
+from exporter.presets import build_preset
+from exporter.trace import GenAIDecoder, make_inputs, trace
+from fx_passes import FX_PASSES, PassContext, run_fx_passes
+from fx_passes.graph_facts import PassDidNotApply
+
+LAST_TOKEN = torch.ops.genai_exporter.last_token.default
+TOLERANCE = 1e-5  # vs the untouched program: the same ops on fewer rows; observed <= 3e-7
+# vs transformers' logits_to_keep path, which slices in other places and so runs other matmul
+# shapes (other BLAS summation orders): observed 6e-5 on the 35-layer preset, logits up to ~30.
+ORACLE_TOLERANCE = 1e-4
+
+
+def _traced(name):
+    model, _ = build_preset(name)
+    layout = derive_layout(model)
+    program, _ = trace(model, layout)
+    return model, layout, program
+
+
+def _cases(layout, window):
+    generator = torch.Generator().manual_seed(0)
+    long = window + 5  # prefill longer than the sliding window
+    return [
+        make_inputs(layout, 1, 7, 0, generator=generator),
+        make_inputs(layout, 1, long, 0, generator=generator),
+        make_inputs(layout, 2, 1, 9, generator=generator),
+        make_inputs(layout, 1, 1, long, generator=generator),
+        make_inputs(layout, 3, 5, 20, generator=generator, left_padding=(0, 2, 4)),
+        make_inputs(layout, 2, 6, 0, generator=generator, right_padding=(0, 3)),
+        make_inputs(layout, 2, 4, 8, generator=generator, past_right_padding=(0, 3)),
+    ]
+
+
+def _last_real(logits, attention_mask):
+    seq = logits.shape[1]
+    chunk = attention_mask[:, attention_mask.shape[1] - seq :]
+    rows = [max((j for j in range(seq) if chunk[b, j]), default=0) for b in range(len(chunk))]
+    return torch.stack([logits[b, j] for b, j in enumerate(rows)])[:, None]
+
+
+def _check_semantics(name):
+    model, layout, program = _traced(name)
+    cases = _cases(layout, model.config.sliding_window)
+    with torch.no_grad():
+        before = [program.module()(*inputs) for inputs in cases]
+    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    program, records = run_fx_passes(
+        program, [FX_PASSES[n] for n in fx_pass_names(get_profile("cpu"), layout, full_logits=False)], context
+    )
+    oracle = GenAIDecoder(model, layout, logits_to_keep=1).eval()
+    with torch.no_grad():
+        for inputs, expected in zip(cases, before):
+            logits, *presents = program.module()(*inputs)
+            assert logits.shape == (inputs[0].shape[0], 1, layout.vocab_size)
+            torch.testing.assert_close(logits, _last_real(expected[0], inputs[1]), rtol=0, atol=TOLERANCE)
+            for got, want in zip(presents, expected[1:]):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+            if bool(inputs[1][:, -1].all()):  # transformers' truncation keeps the final position
+                torch.testing.assert_close(logits, oracle(*inputs)[0], rtol=0, atol=ORACLE_TOLERANCE)
+    return {r.name: r.changes for r in records}
+
+
+@pytest.mark.l2
+def test_tiny_gemma4_truncation_keeps_results():
+    changes = _check_semantics("tiny-gemma-4")
+    assert changes["gather_last_token"] == {"gathers": 1}
+    truncation = changes["truncate_shared_kv_layers"]
+    assert truncation["first_truncated_layer"] == 5  # the last KV-owning layer's query path and MLP
+    assert truncation["layers_on_last_token"] == 4 and truncation["num_layers"] == 10
+    assert truncation["gathers"] >= 4  # hidden states, per-layer inputs, rotary tables, masks
+
+
+@pytest.mark.l2
+@pytest.mark.slow
+def test_e2b_shape_truncation_keeps_results():
+    changes = _check_semantics("gemma-4-e2b-shape")
+    truncation = changes["truncate_shared_kv_layers"]
+    assert (truncation["first_truncated_layer"], truncation["layers_on_last_token"]) == (14, 20)
+
+
+@pytest.mark.l2
+def test_model_without_kv_sharing_gets_only_the_last_token_gather():
+    _, layout, program = _traced("tiny-llama")
+    names = fx_pass_names(get_profile("cpu"), layout, full_logits=False)
+    assert names[-1] == "gather_last_token"
+    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    with pytest.raises(PassDidNotApply, match="no KV-shared layers"):
+        FX_PASSES["truncate_shared_kv_layers"](copy.deepcopy(program), context)
+
+
+@pytest.mark.l1
+def test_truncation_that_cannot_act_is_an_error():
+    """A layout that declares KV sharing the graph does not have must fail, naming what it saw."""
+    _, layout, program = _traced("tiny-llama")
+    claimed = type(layout)(**{**layout.__dict__, "kv_layers": layout.kv_layers[:2], "num_kv_shared_layers": 2})
+    context = PassContext(profile=get_profile("cpu"), layout=claimed)
+    with pytest.raises(PassDidNotApply, match=r"layers \[2, 3\] also feed present KV outputs"):
+        FX_PASSES["truncate_shared_kv_layers"](program, context)
+
+
+@pytest.mark.l1
+def test_report_says_where_truncation_happened(preset_exports):
+    report = preset_exports.get("tiny-gemma-4").package.report
+    assert (
+        "prefill truncation at layer 6 of 10: 4 layers (6-9, KV-shared) run on the last token only; "
+        "layer 5 runs its query path and MLP on it too"
+    ) in report.notes
+    names = [r["name"] for r in report.fx_passes]
+    assert names[-2:] == ["gather_last_token", "truncate_shared_kv_layers"]
