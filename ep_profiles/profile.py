@@ -16,6 +16,7 @@ class EpProfile:
     precisions: precisions a package for this EP can be exported at; the first is the default.
     provider_options: options written under the provider in genai_config.json.
     fx_passes: names of FX passes (see ``fx_passes.registry``) to run, in order.
+    fused_ops: ONNX Runtime contrib ops the graph is fused into (see ``exporter.onnx_fusions``).
     max_buffer_size: the largest single weight the EP can hold, in bytes; None means no limit.
     past_present_share_buffer: whether generation shares one KV buffer between past and present.
     """
@@ -27,6 +28,7 @@ class EpProfile:
     description: str
     provider_options: dict[str, str] = field(default_factory=dict)
     fx_passes: tuple[str, ...] = ()
+    fused_ops: tuple[str, ...] = ()
     max_buffer_size: int | None = None
     past_present_share_buffer: bool = False
 

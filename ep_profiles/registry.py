@@ -11,6 +11,7 @@ CPU = EpProfile(
     precisions=("fp32",),
     description="ONNX Runtime's default CPU provider",
     fx_passes=("drop_runtime_asserts", "drop_noop_casts"),
+    fused_ops=("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
 )
 
 PROFILES: dict[str, EpProfile] = {p.name: p for p in (CPU,)}

@@ -20,6 +20,7 @@ from exporter.errors import ExporterError
 from exporter.genai_config import FALLBACK_DECODER_TYPE, build_genai_config, genai_model_type
 from exporter.layout import DecoderLayout, derive_layout
 from exporter.lower import lower
+from exporter.onnx_fusions import FusionDidNotApply, run_fusions
 from exporter.onnx_passes import run_onnx_passes
 from exporter.report import ExportReport, initializer_summary, op_counts
 from exporter.sources import LoadOptions, load
@@ -122,6 +123,10 @@ def export(
     with stages.stage("onnx_passes"):
         onnx_records = run_onnx_passes(onnx_model)
         report.onnx_passes = [dataclasses.asdict(r) for r in onnx_records]
+        try:
+            report.fusions = [dataclasses.asdict(r) for r in run_fusions(onnx_model, profile.fused_ops)]
+        except FusionDidNotApply as error:
+            raise ExporterError(f"ONNX fusion failed: {error}") from error
 
     report.op_counts = op_counts(onnx_model)
     report.initializers = initializer_summary(onnx_model)

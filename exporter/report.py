@@ -43,6 +43,7 @@ class ExportReport:
     stages: list[dict[str, Any]] = field(default_factory=list)
     fx_passes: list[dict[str, Any]] = field(default_factory=list)
     onnx_passes: list[dict[str, Any]] = field(default_factory=list)
+    fusions: list[dict[str, Any]] = field(default_factory=list)
     op_counts: dict[str, int] = field(default_factory=dict)
     initializers: dict[str, Any] = field(default_factory=dict)
     graph_inputs: list[str] = field(default_factory=list)
@@ -64,6 +65,7 @@ class ExportReport:
             "stages": self.stages,
             "fx_passes": self.fx_passes,
             "onnx_passes": self.onnx_passes,
+            "fusions": self.fusions,
             "op_counts": self.op_counts,
             "initializers": self.initializers,
             "graph_inputs": self.graph_inputs,
@@ -97,6 +99,8 @@ class ExportReport:
         lines += [
             f"| {p['name']} | {p['nodes_before']} | {p['nodes_after']} | {p['seconds']:.3f} |" for p in self.onnx_passes
         ]
+        lines += ["", "## Fusions", "", "| fused op | nodes made | seconds |", "|---|---:|---:|"]
+        lines += [f"| {f['op_type']} | {f['fused']} | {f['seconds']:.3f} |" for f in self.fusions]
         lines += ["", "## Operators", "", "| op | count |", "|---|---:|"]
         lines += [f"| {op} | {count} |" for op, count in self.op_counts.items()]
         init = self.initializers

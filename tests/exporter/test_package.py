@@ -42,6 +42,17 @@ def test_genai_config_matches_graph(family_export):
 
 
 @pytest.mark.l1
+def test_rms_norms_are_fused(family_export):
+    report = family_export.package.report
+    fused = {f["op_type"]: f["fused"] for f in report.fusions}
+    assert fused["SimplifiedLayerNormalization"] > 0 and fused["SkipSimplifiedLayerNormalization"] > 0
+    assert "Pow" not in report.op_counts or family_export.package.layout.model_type == "gemma4_text"
+    # Gemma 4's value norm has no scale, so it stays a plain mean of squares: one per KV-owning layer.
+    unfused = len(family_export.package.layout.kv_layers) if family_export.package.layout.model_type == "gemma4_text" else 0
+    assert report.op_counts.get("ReduceMean", 0) == unfused
+
+
+@pytest.mark.l1
 def test_gemma4_layout_and_report(preset_exports):
     package = preset_exports.get("tiny-gemma-4").package
     layout = package.layout

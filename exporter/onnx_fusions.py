@@ -1,0 +1,95 @@
+"""Fusions into ONNX Runtime's contrib ops, chosen by the EP profile's ``fused_ops``.
+
+onnxscript's rewrite rules do the matching (``ort_fusions``: RMSNorm -> SimplifiedLayerNormalization,
+Add + SimplifiedLayerNormalization -> SkipSimplifiedLayerNormalization, whose check requires both
+Add inputs to be [batch, seq, hidden]: the rank guard that keeps Add(MatMul output, 1-D bias) +
+RMSNorm unfused, a pattern ONNX Runtime rejects with "skip is expected to have 3 or 2 dimensions").
+Written here: one rule onnxscript lacks, ``x ** -0.5 -> 1 / sqrt(x)``, because Gemma's RMSNorm traces
+to ``pow(-0.5)`` and onnxscript's RMSNorm pattern expects Sqrt + Reciprocal.
+
+Only the given rules run, not onnxscript's default set, whose matching cost grows with the square of
+the node count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common
+from onnxscript.rewriter import RewritePass, _ir_utils, pattern
+from onnxscript.rewriter.ort_fusions.rms_normalization import rms_normalization_rules
+from onnxscript.rewriter.ort_fusions.skip_normalization import skip_rms_normalization_ruleset
+
+
+class PowNegativeHalfToRsqrt(pattern.RewriteRuleClassBase):
+    """``Pow(x, -0.5)`` as ``Reciprocal(Sqrt(x))``, the form onnxscript's RMSNorm rules match."""
+
+    def pattern(self, op, x, exponent):
+        return op.Pow(x, exponent)
+
+    def check(self, op, x, exponent, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        if _ir_utils.get_singleton_value(exponent) != -0.5:
+            return result.fail("exponent is not -0.5")
+        return result
+
+    def rewrite(self, op, x, exponent, **_):
+        return op.Reciprocal(op.Sqrt(x))
+
+
+@dataclass(frozen=True)
+class FusionRecord:
+    op_type: str
+    fused: int
+    seconds: float
+
+
+# Each fused op: the rules that produce it, run in this order.
+_FUSIONS = {
+    "SimplifiedLayerNormalization": lambda: [PowNegativeHalfToRsqrt.rule(), *rms_normalization_rules],
+    "SkipSimplifiedLayerNormalization": lambda: list(skip_rms_normalization_ruleset.rules),
+}
+KNOWN_FUSED_OPS = tuple(_FUSIONS)
+
+
+class FusionDidNotApply(RuntimeError):
+    pass
+
+
+def run_fusions(model: ir.Model, fused_ops: tuple[str, ...]) -> list[FusionRecord]:
+    records = []
+    for op_type in KNOWN_FUSED_OPS:  # fixed order: skip fusion needs the plain one first
+        if op_type not in fused_ops:
+            continue
+        before = _count(model, op_type)
+        start = time.perf_counter()
+        RewritePass(_FUSIONS[op_type]())(model)
+        common.RemoveUnusedNodesPass()(model)
+        records.append(FusionRecord(op_type, _count(model, op_type) - before, time.perf_counter() - start))
+    _check_rms_norms_fused(model, fused_ops, records)
+    return records
+
+
+def _count(model: ir.Model, op_type: str) -> int:
+    return sum(1 for node in model.graph.all_nodes() if node.op_type == op_type)
+
+
+def _check_rms_norms_fused(model: ir.Model, fused_ops, records) -> None:
+    """RMSNorm fusion asked for, norms in the graph, none fused: an error, not a silent no-op."""
+    if "SimplifiedLayerNormalization" not in fused_ops:
+        return
+    fused = next(r.fused for r in records if r.op_type == "SimplifiedLayerNormalization")
+    squares_averaged = [
+        node for node in model.graph.all_nodes()
+        if node.op_type == "ReduceMean"
+        and (producer := node.inputs[0].producer()) is not None
+        and producer.op_type == "Pow"
+        and _ir_utils.get_singleton_value(producer.inputs[1]) == 2.0
+    ]
+    if fused == 0 and squares_averaged:
+        raise FusionDidNotApply(
+            f"SimplifiedLayerNormalization fusion matched nothing, but the graph has {len(squares_averaged)} "
+            f"mean-of-squares (RMSNorm-like) subgraphs, e.g. at {squares_averaged[0].name}"
+        )
