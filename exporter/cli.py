@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m exporter",
         description="Export a Hugging Face decoder LM to an ONNX Runtime GenAI package.",
-        epilog="Other commands: `python -m exporter list` shows presets, aliases and EPs.",
+        epilog="Other commands: `python -m exporter list` shows presets, aliases and EPs; "
+        "`python -m exporter check PACKAGE --ep EP [--json]` checks a package.",
     )
     parser.add_argument(
         "model",
@@ -106,10 +107,34 @@ def _list() -> int:
     return 0
 
 
+def _check(argv: list[str]) -> int:
+    from ep_profiles.registry import UnknownProfileError, get_profile
+    from exporter.check import check_package, findings_to_json, format_findings
+
+    parser = argparse.ArgumentParser(
+        prog="python -m exporter check",
+        description="Check a package against an EP profile; exits 1 if any check fails.",
+    )
+    parser.add_argument("package", type=Path, help="package folder (with genai_config.json)")
+    parser.add_argument("--ep", default="cpu", metavar="EP", help="EP profile to check against (default: cpu)")
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+    args = parser.parse_args(argv)
+    try:
+        profile = get_profile(args.ep)
+    except UnknownProfileError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    findings = check_package(args.package, profile)
+    print(findings_to_json(findings) if args.json else format_findings(findings))
+    return 0 if all(f.passed for f in findings) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["list"]:
         return _list()
+    if argv[:1] == ["check"]:
+        return _check(argv[1:])
     args = build_parser().parse_args(argv)
     output = args.output or Path(f"{Path(str(args.model)).name}-{args.ep}-{args.precision or 'default'}")
     print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)

@@ -1,0 +1,54 @@
+"""`python -m exporter check`: passes a good package, fails a broken one with a readable reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from exporter.cli import main
+
+
+def _broken_copy(preset_exports, tmp_path, edit):
+    package = tmp_path / "package"
+    shutil.copytree(preset_exports.get("tiny-llama").package.path, package)
+    config_path = package / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    edit(config)
+    config_path.write_text(json.dumps(config))
+    return package
+
+
+def test_good_package_passes(preset_exports, capsys):
+    package = preset_exports.get("tiny-gemma-4").package.path
+    assert main(["check", str(package), "--ep", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] is True
+    assert [f["check"] for f in report["findings"]] == [
+        "files", "domains", "buffer_limit", "genai_config", "session", "smoke_generation"
+    ]
+
+
+def test_wrong_head_size_fails(preset_exports, tmp_path, capsys):
+    def edit(config):
+        config["model"]["decoder"]["head_size"] = 7
+
+    package = _broken_copy(preset_exports, tmp_path, edit)
+    assert main(["check", str(package)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  genai_config" in out and "genai_config says 2 x 7" in out
+    assert out.strip().endswith("5 passed, 1 failed")
+
+
+def test_missing_kv_names_fail(preset_exports, tmp_path, capsys):
+    def edit(config):
+        config["model"]["decoder"]["outputs"]["present_key_names"] = "present_key.%d"
+
+    package = _broken_copy(preset_exports, tmp_path, edit)
+    assert main(["check", str(package)]) == 1
+    assert "past KV layers [0, 1, 2, 3] and present KV layers [] differ" in capsys.readouterr().out
+
+
+def test_not_a_package(tmp_path, capsys):
+    assert main(["check", str(tmp_path)]) == 1
+    assert "is not a package folder" in capsys.readouterr().out
+    assert main(["check", str(tmp_path), "--ep", "tpu"]) == 2
