@@ -9,7 +9,9 @@ consulted only for what the cache cannot show (sliding window, vocabulary, conte
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -44,6 +46,17 @@ class DecoderLayout:
         return tuple(i for i in range(self.num_layers) if i not in owning)
 
 
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run in eval mode (no dropout), then give the caller back the mode it had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def text_config(config):
     """The decoder's config: itself, or the ``text_config`` of a multimodal config."""
     return config.get_text_config(decoder=True)
@@ -54,7 +67,7 @@ def derive_layout(model: PreTrainedModel) -> DecoderLayout:
     cache = DynamicCache()
     param = next(model.parameters())
     probe_ids = torch.zeros((1, 2), dtype=torch.long, device=param.device)
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(model):
         model(input_ids=probe_ids, cache=cache, use_cache=True)
 
     kv_layers = []

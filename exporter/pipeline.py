@@ -6,6 +6,7 @@ them, and assembles the report.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,11 @@ def export(
     stages = StageLog(on_stage)
     with stages.stage("load"):
         loaded = load(model, tokenizer, LoadOptions(allow_pickled_weights, trust_remote_code))
-        hf_model = loaded.model.to(torch.float32)
+        hf_model = loaded.model
+        if any(p.dtype != torch.float32 for p in hf_model.parameters()):
+            # A copy: an in-memory model belongs to the caller (often mid-training) and keeps its dtype.
+            hf_model = copy.deepcopy(hf_model).to(torch.float32)
+            loaded.notes.append("weights converted to float32 for tracing (a copy; the model is unchanged)")
         try:
             layout = derive_layout(hf_model)
         except Exception as error:

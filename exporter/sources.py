@@ -77,7 +77,7 @@ def _from_memory(model: transformers.PreTrainedModel, tokenizer: Any) -> LoadedM
     if tokenizer is None:
         raise ExporterError("export(model, tokenizer, ...) needs the model's tokenizer for the package")
     _require_causal_lm(type(model).__name__, model.config)
-    return LoadedModel(model.eval(), tokenizer, f"in-memory {type(model).__name__}")
+    return LoadedModel(model, tokenizer, f"in-memory {type(model).__name__}")
 
 
 def _download(repo_id: str) -> Path:

@@ -16,7 +16,7 @@ from torch.export import Dim, ExportedProgram
 from transformers import DynamicCache, PreTrainedModel, masking_utils
 from transformers.cache_utils import DynamicLayer
 
-from exporter.layout import DecoderLayout
+from exporter.layout import DecoderLayout, eval_mode
 
 # torch.export specialises a dimension whose sample size is 0 or 1, so every dynamic dimension of
 # the sample inputs must be >= 2; the graph traced at these sizes still serves past=0 and seq=1.
@@ -159,8 +159,8 @@ def trace(model: PreTrainedModel, layout: DecoderLayout) -> tuple[ExportedProgra
         {0: dynamic, 1: dynamic},
         tuple({0: dynamic, 2: dynamic} for _ in sample[3]),
     )
-    wrapper = GenAIDecoder(model, layout).eval()
-    with torch.no_grad(), _ordered_string_sets(model):
+    wrapper = GenAIDecoder(model, layout)
+    with torch.no_grad(), eval_mode(model), _ordered_string_sets(model):
         program = torch.export.export(wrapper, sample, dynamic_shapes=dynamic_shapes, strict=False)
     return program, sample
 

@@ -94,3 +94,16 @@ def test_multimodal_gemma4_exports_its_language_model(tmp_path):
     assert package.layout.model_type == "gemma4_text"
     assert package.layout.shared_layer_indices == (6, 7, 8, 9)
     assert _logits_match(package, text_model)
+
+
+def test_in_memory_model_is_left_as_the_caller_had_it(tmp_path):
+    """Exporting from a training script must not change the model: dtype and train mode stay."""
+    model, tokenizer = build_preset("tiny-llama")
+    fp32_state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to(torch.bfloat16).train()
+    package = export(model, tokenizer, output_dir=tmp_path / "pkg")
+    assert model.training and next(model.parameters()).dtype == torch.bfloat16
+    assert any("converted to float32" in note for note in package.report.notes)
+    fp32_model, _ = build_preset("tiny-llama")
+    fp32_model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in fp32_state.items()})
+    assert _logits_match(package, fp32_model)
