@@ -158,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Exception as error:  # a bug, not bad input: still one line, nothing left behind
+        if args.debug:
+            raise
+        print(f"error: unexpected {type(error).__name__}: {error}; nothing was written. "
+              "Rerun with --debug for the traceback and please report it", file=sys.stderr)
+        return 1
     report = result.report
     nodes = sum(report.op_counts.values())
     print(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ep_profiles import EpProfile
+from exporter.errors import ExporterError
 from exporter.layout import DecoderLayout
 
 # Model types ONNX Runtime GenAI 0.18 knows as plain decoder LMs (read from its library's strings).
@@ -45,7 +46,9 @@ def build_genai_config(
     if pad is None:
         pad = eos[0] if isinstance(eos, list) else eos
     if eos is None:
-        raise ValueError("the model has no eos_token_id in its generation or model config")
+        raise ExporterError(
+            "the model has no eos_token_id; set model.generation_config.eos_token_id before exporting"
+        )
 
     inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask"}
     if "position_ids" in graph_input_names:
