@@ -75,11 +75,19 @@ def _check_buffer_limit(context: _Context) -> Iterator[Finding]:
         if size > largest:
             largest_name, largest = tensor.name, size
     limit = context.profile.max_buffer_size
-    detail = f"largest initializer {largest_name} is {largest / 2**20:.1f} MiB"
+    detail = f"largest initializer {largest_name} is {_size(largest)}"
     if limit is None:
         yield Finding("buffer_limit", True, detail + f"; {context.profile.name} sets no limit")
     else:
-        yield Finding("buffer_limit", largest <= limit, detail + f" (limit {limit / 2**20:.0f} MiB)")
+        yield Finding("buffer_limit", largest <= limit, detail + f" (limit {_size(limit)})")
+
+
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.2f} GiB"
 
 
 def _check_genai_config(context: _Context) -> Iterator[Finding]:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ep_profiles import get_profile
+from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter import package
 from exporter.errors import ExporterError
@@ -48,7 +48,7 @@ def export(
     model: Any,
     tokenizer: Any = None,
     *,
-    ep: str = "cpu",
+    ep: str | EpProfile = "cpu",
     output_dir: str | Path,
     precision: str | None = None,
     overwrite: bool = False,
@@ -60,13 +60,15 @@ def export(
     """Export a decoder LM to an ONNX Runtime GenAI package in ``output_dir``.
 
     ``model`` is a preset name, a local Hugging Face folder, a hub id or alias, or an in-memory
-    ``PreTrainedModel`` (then ``tokenizer`` is required). By default the graph computes logits
+    ``PreTrainedModel`` (then ``tokenizer`` is required). ``ep`` is a profile name or an
+    ``EpProfile`` of your own (e.g. ``dataclasses.replace(get_profile("cpu"), max_buffer_size=...)``).
+    By default the graph computes logits
     for each sequence's last token only (what generation reads); ``full_logits=True`` keeps all
     positions, for scoring. ``on_stage(name, record)`` is called with ``record=None`` when a
     stage starts and with its timings when it ends.
     """
     try:
-        profile = get_profile(ep)
+        profile = ep if isinstance(ep, EpProfile) else get_profile(ep)
     except UnknownProfileError as error:
         raise ExporterError(str(error)) from None
     precision = precision or profile.default_precision
@@ -159,9 +161,12 @@ def export(
 
 
 def fx_pass_names(profile, layout: DecoderLayout, full_logits: bool) -> list[str]:
-    """The profile's passes, then the last-token passes unless all logits are wanted; the
-    shared-KV truncation only where the model has KV-shared layers."""
+    """The profile's passes; weight splitting where the profile limits buffer sizes; then the
+    last-token passes unless all logits are wanted, the shared-KV truncation only where the model
+    has KV-shared layers."""
     names = list(profile.fx_passes)
+    if profile.max_buffer_size is not None:
+        names.append("split_oversized_weights")
     if not full_logits:
         names.append("gather_last_token")
         if layout.shared_layer_indices:

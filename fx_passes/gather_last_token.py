@@ -5,7 +5,8 @@ far the widest in small models) and whatever follows it (soft-capping, scaling) 
 per sequence. The logits output becomes [batch, 1, vocab], which ONNX Runtime GenAI recognises
 as last-token logits. The projection is found from the graph: walking back from the logits
 output through single-input operations to the first linear/matmul whose output width is the
-vocabulary size.
+vocabulary size, or to a concatenation of such projections of one input (an LM head split to fit
+an EP's buffer limit).
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.
     return gathered
 
 
+def _vocabulary_projections(node: torch.fx.Node, vocab_size: int) -> list[torch.fx.Node]:
+    """The projection(s) ``node`` is, if its output is vocabulary-wide: one linear/matmul, or the
+    last-axis concatenation of several that read the same input."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.shape[-1] != vocab_size:
+        return []
+    if node.target in _PROJECTIONS:
+        return [node]
+    if node.target is _aten.cat.default and node.args[1:] in ((-1,), (value.dim() - 1,)):
+        parts = list(node.args[0])
+        if all(p.target in _PROJECTIONS and p.args[0] is parts[0].args[0] for p in parts):
+            return parts
+    return []
+
+
 class GatherLastToken:
     name = "gather_last_token"
 
@@ -42,8 +58,8 @@ class GatherLastToken:
         node = logits
         while isinstance(node, torch.fx.Node) and node.op == "call_function":
             walked.append(str(node.target))
-            value = node.meta.get("val")
-            if node.target in _PROJECTIONS and isinstance(value, torch.Tensor) and value.shape[-1] == vocab_size:
+            projections = _vocabulary_projections(node, vocab_size)
+            if projections:
                 break
             node = next(iter(node.all_input_nodes), None)
         else:
@@ -51,7 +67,7 @@ class GatherLastToken:
                 f"{self.name}: found no projection to the vocabulary (linear/matmul with {vocab_size} outputs) "
                 f"feeding the logits output; walked back through: {', '.join(walked) or 'nothing'}"
             )
-        hidden = node.args[0]
+        hidden = projections[0].args[0]
         axes = axes_equal_to(hidden, sequence_symbol(program))
         if len(axes) != 1:
             raise PassDidNotApply(
@@ -59,7 +75,8 @@ class GatherLastToken:
                 f"{tuple(hidden.meta['val'].shape)}; expected exactly one sequence axis"
             )
         gathered = insert_last_token(graph, hidden, user_input(program, "attention_mask"), axes[0])
-        node.replace_input_with(hidden, gathered)
+        for projection in projections:
+            projection.replace_input_with(hidden, gathered)
         graph.lint()
         program.graph_module.recompile()
         return program, {"gathers": 1}

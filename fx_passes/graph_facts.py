@@ -71,3 +71,17 @@ def layer_index(node: Node) -> int | None:
         if match:
             return int(match.group(1))
     return None
+
+
+def set_fake_value(node: Node) -> None:
+    """Fill ``node.meta["val"]`` by running its op on its inputs' fake values, for nodes a pass adds."""
+    values = [n.meta["val"] for n in node.all_input_nodes if "val" in n.meta]
+    fake_mode = torch._guards.detect_fake_mode(values)
+
+    def fake(argument):
+        return argument.meta["val"] if isinstance(argument, Node) else argument
+
+    with fake_mode:
+        node.meta["val"] = node.target(
+            *torch.fx.node.map_aggregate(node.args, fake), **torch.fx.node.map_aggregate(node.kwargs, fake)
+        )

@@ -3,6 +3,13 @@
 from fx_passes.drop_noop_casts import DropNoopCasts
 from fx_passes.drop_runtime_asserts import DropRuntimeAsserts
 from fx_passes.gather_last_token import GatherLastToken
+from fx_passes.split_oversized_weights import SplitOversizedWeights
 from fx_passes.truncate_shared_kv_layers import TruncateSharedKvLayers
 
-FX_PASSES = {p.name: p for p in (DropRuntimeAsserts(), DropNoopCasts(), GatherLastToken(), TruncateSharedKvLayers())}
+FX_PASSES = {p.name: p for p in (
+        DropRuntimeAsserts(),
+        DropNoopCasts(),
+        SplitOversizedWeights(),
+        GatherLastToken(),
+        TruncateSharedKvLayers(),
+    )}
