@@ -56,9 +56,9 @@ def _name_graph_io(model: ir.Model, layout: DecoderLayout) -> None:
             f"lowered graph has {len(graph.inputs)} inputs / {len(graph.outputs)} outputs, "
             f"expected {len(wanted_inputs)} / {len(wanted_outputs)}"
         )
-    for value, name in zip(graph.inputs, wanted_inputs):
+    for value, name in zip(graph.inputs, wanted_inputs, strict=True):
         value.name = name
-    for value, name in zip(graph.outputs, wanted_outputs):
+    for value, name in zip(graph.outputs, wanted_outputs, strict=True):
         value.name = name
 
     renames: dict[str, str] = {}

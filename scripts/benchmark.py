@@ -115,7 +115,7 @@ def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
     program, _ = trace(model, layout)
     context = PassContext(profile=get_profile("cpu"), layout=layout)
     flops: dict[str, dict[int, int]] = {"off": {}, "on": {}}
-    for variant, full_logits in (("off", True), ("on", False)):
+    for variant in ("off", "on"):
         if variant == "on":
             extra = fx_pass_names(get_profile("cpu"), layout, full_logits=False)[len(get_profile("cpu").fx_passes):]
             program, _ = run_fx_passes(program, [FX_PASSES[n] for n in extra], context)

@@ -47,7 +47,7 @@ def test_onnx_runtime_matches_pytorch(e2b_shape):
         with torch.no_grad():
             expected = [t.numpy() for t in reference(*inputs)]
         expected[0] = expected[0][:, -1:]  # generation package: the last token's logits (no padding here)
-        feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])]))
-        for got, want in zip(session.run(None, feeds), expected):
+        feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])], strict=True))
+        for got, want in zip(session.run(None, feeds), expected, strict=True):
             assert got.shape == want.shape
             assert float(np.max(np.abs(got - want))) <= 1e-4

@@ -12,8 +12,6 @@ import onnx.numpy_helper
 import onnxruntime_genai as og
 import pytest
 
-from exporter import export
-from exporter.presets import build_preset
 from exporter.trace import input_names, output_names
 
 

@@ -60,13 +60,13 @@ def check_parity(package, model):
         inputs = make_inputs(layout, batch, seq, past, generator=generator, **padding)
         with torch.no_grad():
             expected = [t.numpy() for t in reference(*inputs)]
-        feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])]))
+        feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])], strict=True))
         actual = session.run(None, feeds)
         assert len(actual) == len(expected)
         real = inputs[1].numpy().astype(bool)  # [batch, past + seq]: False at padding
         if actual[0].shape[1] == 1:
             expected[0] = last_real_token(expected[0], real)
-        for name, got, want in zip([o.name for o in session.get_outputs()], actual, expected):
+        for name, got, want in zip([o.name for o in session.get_outputs()], actual, expected, strict=True):
             assert got.shape == want.shape, name
             if name == "logits" and got.shape[1] == 1:
                 pass  # already each row's last real token

@@ -21,7 +21,7 @@ def _logits_match(package, model, tolerance=1e-4):
     with torch.no_grad():
         expected = GenAIDecoder(model, layout)(*inputs)[0].numpy()[:, -1:]  # no padding: last token
     session = ort.InferenceSession(str(package.model_path), providers=["CPUExecutionProvider"])
-    feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])]))
+    feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])], strict=True))
     got = session.run(["logits"], feeds)[0]
     return got.shape == expected.shape and float(np.max(np.abs(got - expected))) <= tolerance
 

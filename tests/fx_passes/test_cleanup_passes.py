@@ -60,6 +60,6 @@ def test_cleanup_passes_keep_semantics(traced_tiny_gemma4):
     assert _count(program, (ASSERT,)) == 0 and _noop_casts(program) == 0
     assert _count(program, CASTS) == casts - noop_casts
     with torch.no_grad():
-        for inputs, expected in zip(cases, before):
-            for got, want in zip(program.module()(*inputs), expected):
+        for inputs, expected in zip(cases, before, strict=True):
+            for got, want in zip(program.module()(*inputs), expected, strict=True):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)

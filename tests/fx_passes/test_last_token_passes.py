@@ -62,11 +62,11 @@ def _check_semantics(name):
     )
     oracle = GenAIDecoder(model, layout, logits_to_keep=1).eval()
     with torch.no_grad():
-        for inputs, expected in zip(cases, before):
+        for inputs, expected in zip(cases, before, strict=True):
             logits, *presents = program.module()(*inputs)
             assert logits.shape == (inputs[0].shape[0], 1, layout.vocab_size)
             torch.testing.assert_close(logits, _last_real(expected[0], inputs[1]), rtol=0, atol=TOLERANCE)
-            for got, want in zip(presents, expected[1:]):
+            for got, want in zip(presents, expected[1:], strict=True):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
             if bool(inputs[1][:, -1].all()):  # transformers' truncation keeps the final position
                 torch.testing.assert_close(logits, oracle(*inputs)[0], rtol=0, atol=ORACLE_TOLERANCE)

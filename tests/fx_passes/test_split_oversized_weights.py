@@ -48,8 +48,8 @@ def test_split_keeps_results_exactly():
     assert records[0].changes == {"weights_split": 2, "pieces": 2 + 2 + 5}
     assert max(t.numel() * 4 for t in program.state_dict.values()) <= LIMIT
     with torch.no_grad():
-        for inputs, expected in zip(cases, before):
-            for got, want in zip(program.module()(*inputs), expected):
+        for inputs, expected in zip(cases, before, strict=True):
+            for got, want in zip(program.module()(*inputs), expected, strict=True):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
