@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["check"]:
         return _check(argv[1:])
     args = build_parser().parse_args(argv)
-    output = args.output or Path(f"{Path(str(args.model)).name}-{args.ep}-{args.precision or 'default'}")
+    precision = args.precision or (PROFILES[args.ep].default_precision if args.ep in PROFILES else "fp32")
+    output = args.output or Path(f"{Path(str(args.model)).name}-{args.ep}-{precision}")
     print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)
     try:
         result = export(

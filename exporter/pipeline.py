@@ -181,7 +181,8 @@ def _describe_truncation(changes: dict[str, int]) -> str | None:
     first_shared, first = num_layers - shared, changes["first_truncated_layer"]
     note = (
         f"prefill truncation at layer {first_shared} of {num_layers}: {shared} layers "
-        f"({first_shared}-{num_layers - 1}, KV-shared) run on the last token only"
+        f"({first_shared}-{num_layers - 1}, KV-shared) run on the last token only, saving {shared} "
+        f"layer-rows for every prompt token but the last ({shared * 511} for a 512-token prompt)"
     )
     if first < first_shared:
         note += f"; layer {first} runs its query path and MLP on it too"
