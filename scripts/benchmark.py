@@ -4,6 +4,7 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py                       # gemma-4-e2b-shape, prompts of 128 and 512
     python scripts/benchmark.py tiny-llama --prompt-lengths 32 64 --decode-tokens 16
     python scripts/benchmark.py --truncation          # prefill truncation on vs off, 128/512/1024
+    python scripts/benchmark.py --fusions             # ONNX fusions on vs off
 
 --truncation exports the model twice (last-token passes on, and off via full_logits), then times
 time-to-first-token for both packages alternately in one run, next to the ratio predicted from
@@ -37,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, help="keep the package here (default: a temporary folder)")
+    parser.add_argument("--fusions", action="store_true",
+                        help="compare TTFT with the profile's ONNX fusions on vs off")
     parser.add_argument("--truncation", action="store_true",
                         help="compare prefill with the last-token passes on vs off (prompts 128/512/1024)")
     return parser.parse_args()
@@ -127,9 +130,52 @@ def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
     return flops
 
 
-def benchmark_truncation(args) -> None:
+def alternating_ttft(packages: dict, lengths, repeats) -> dict[str, dict[int, list[float]]]:
+    """TTFT of each package for each prompt length, the variants taking turns (order flipped every
+    repeat) so that machine noise falls on all of them alike; one discarded warm-up each."""
     import onnxruntime_genai as og
 
+    models = {variant: og.Model(str(package.path)) for variant, package in packages.items()}
+    vocab_size = next(iter(packages.values())).layout.vocab_size
+    rng = np.random.default_rng(0)
+    times: dict[str, dict[int, list[float]]] = {variant: {} for variant in models}
+    for length in lengths:
+        prompt = rng.integers(3, vocab_size, size=(1, length), dtype=np.int32)
+        for model in models.values():
+            _time_to_first_token(model, prompt)
+        for repeat in range(repeats):
+            order = list(models) if repeat % 2 == 0 else list(reversed(models))
+            for variant in order:
+                times[variant].setdefault(length, []).append(_time_to_first_token(models[variant], prompt))
+    return times
+
+
+def benchmark_fusions(args) -> None:
+    """TTFT with the profile's ONNX fusions vs without them, alternating in one run."""
+    import dataclasses
+
+    from ep_profiles import get_profile
+    from exporter.sources import load
+
+    loaded = load(args.model)
+    cpu = get_profile("cpu")
+    variants = {"unfused": dataclasses.replace(cpu, name="cpu-unfused", fused_ops=()), "fused": cpu}
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = {}
+        for variant, profile in variants.items():
+            print(f"exporting {variant} ...", file=sys.stderr, flush=True)
+            packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, output_dir=Path(scratch) / variant)
+        times = alternating_ttft(packages, args.prompt_lengths, args.repeats)
+        nodes = {v: sum(p.report.op_counts.values()) for v, p in packages.items()}
+        print(f"\n## ONNX fusions, {args.model}, ONNX Runtime GenAI CPU fp32 (median of {args.repeats}, alternating)\n")
+        print(f"ONNX nodes: unfused {nodes['unfused']}, fused {nodes['fused']}\n")
+        print("| prompt | TTFT unfused ms | TTFT fused ms | unfused/fused |\n|---:|---:|---:|---:|")
+        for length in args.prompt_lengths:
+            unfused, fused = (statistics.median(times[v][length]) for v in ("unfused", "fused"))
+            print(f"| {length} | {unfused * 1000:.0f} | {fused * 1000:.0f} | {unfused / fused:.2f} |")
+
+
+def benchmark_truncation(args) -> None:
     from exporter.sources import load
 
     lengths = args.prompt_lengths if args.prompt_lengths != [128, 512] else [128, 512, 1024]
@@ -143,17 +189,7 @@ def benchmark_truncation(args) -> None:
         note = next((n for n in packages["on"].report.notes if "truncation" in n), "no truncation note")
         print("counting FLOPs ...", file=sys.stderr, flush=True)
         flops = predicted_flops(loaded.model, lengths)
-        models = {variant: og.Model(str(package.path)) for variant, package in packages.items()}
-        rng = np.random.default_rng(0)
-        times: dict[str, dict[int, list[float]]] = {"off": {}, "on": {}}
-        for length in lengths:
-            prompt = rng.integers(3, packages["on"].layout.vocab_size, size=(1, length), dtype=np.int32)
-            _time_to_first_token(models["on"], prompt)  # warm-up, discarded
-            _time_to_first_token(models["off"], prompt)
-            for repeat in range(args.repeats):
-                order = ("off", "on") if repeat % 2 == 0 else ("on", "off")
-                for variant in order:
-                    times[variant].setdefault(length, []).append(_time_to_first_token(models[variant], prompt))
+        times = alternating_ttft(packages, lengths, args.repeats)
         print(f"\n## Prefill truncation, {args.model}, ONNX Runtime GenAI CPU fp32 "
               f"(median of {args.repeats}, alternating)\n")
         print(f"{note}\n")
@@ -171,6 +207,9 @@ def main() -> None:
     args = parse_args()
     if args.truncation:
         benchmark_truncation(args)
+        return
+    if args.fusions:
+        benchmark_fusions(args)
         return
     with tempfile.TemporaryDirectory() as scratch:
         output = args.output or Path(scratch) / "package"
