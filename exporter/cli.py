@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-o", "--output", type=Path, metavar="DIR",
                         help="package folder to create (default: ./<model>-<ep>-<precision>)")
     parser.add_argument("--precision", choices=PRECISIONS, help="weight precision (default: the EP's)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
+    parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds an earlier package")
     parser.add_argument("--full-logits", action="store_true",
                         help="output logits for every position (for scoring); by default only each "
                              "sequence's last token, which is all generation reads and much faster to prefill")

@@ -25,10 +25,19 @@ REPORT_MARKDOWN_FILENAME = "export_report.md"
 
 
 def check_destination(output_dir: Path, overwrite: bool) -> None:
-    if output_dir.exists() and not overwrite:
-        raise ExporterError(f"output folder '{output_dir}' exists; choose another -o or pass --overwrite")
-    if output_dir.exists() and not output_dir.is_dir():
+    if not output_dir.exists():
+        return
+    if not output_dir.is_dir():
         raise ExporterError(f"output path '{output_dir}' is a file; choose a folder path for -o")
+    if not overwrite:
+        raise ExporterError(f"output folder '{output_dir}' exists; choose another -o or pass --overwrite")
+    # --overwrite deletes the folder: only ever one that holds a package (or nothing), so a mistyped
+    # -o cannot wipe a folder of other files.
+    if any(output_dir.iterdir()) and not (output_dir / GENAI_CONFIG_FILENAME).is_file():
+        raise ExporterError(
+            f"output folder '{output_dir}' exists and is not a package (no {GENAI_CONFIG_FILENAME}); "
+            "--overwrite only replaces packages: choose another -o"
+        )
 
 
 @contextlib.contextmanager

@@ -61,6 +61,14 @@ def test_existing_output_folder_is_refused(tmp_path, capsys):
     assert (tmp_path / "out" / "keep.txt").read_text() == "user data"
 
 
+def test_overwrite_refuses_a_folder_that_is_not_a_package(tmp_path, capsys):
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("user data")
+    code, message = _run_cli(["tiny-llama", "-o", str(tmp_path / "home"), "--overwrite"], capsys)
+    assert code == 2 and "is not a package" in message
+    assert (tmp_path / "home" / "notes.txt").read_text() == "user data"
+
+
 def test_unsupported_ep_and_precision(tmp_path, capsys):
     code, message = _run_cli(["tiny-llama", "--ep", "webgpu", "-o", str(tmp_path / "a")], capsys)
     assert code == 2 and "not supported yet" in message and "cpu" in message

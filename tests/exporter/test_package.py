@@ -85,6 +85,7 @@ def test_export_is_deterministic_across_processes(preset_exports, tmp_path):
 def test_cli_overwrite_and_summary(tmp_path):
     target = tmp_path / "out"
     target.mkdir()
+    (target / "genai_config.json").write_text("{}")  # an earlier package
     (target / "stale.txt").write_text("old")
     result = subprocess.run(
         [sys.executable, "-m", "exporter", "tiny-llama", "-o", str(target), "--overwrite"],
