@@ -34,6 +34,23 @@ class FxPass(Protocol):
     ) -> tuple[ExportedProgram, dict[str, int]]: ...
 
 
+def erase_nodes(program: ExportedProgram, matches: Callable[[Any], bool]) -> int:
+    """Erase every call node ``matches`` accepts, its users reading its first argument instead
+    (a pass-through); returns how many were erased."""
+    graph = program.graph_module.graph
+    erased = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and matches(node):
+            if node.users:
+                node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            erased += 1
+    if erased:
+        graph.lint()
+        program.graph_module.recompile()
+    return erased
+
+
 def run_fx_passes(
     program: ExportedProgram,
     passes: list[FxPass],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 
-from fx_passes.base import PassContext
+from fx_passes.base import PassContext, erase_nodes
 
 _aten = torch.ops.aten
 _DTYPE_ONLY_TARGETS = {
@@ -48,14 +48,5 @@ class DropNoopCasts:
     def __call__(
         self, program: ExportedProgram, context: PassContext
     ) -> tuple[ExportedProgram, dict[str, int]]:
-        graph = program.graph_module.graph
-        erased = 0
-        for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in _DTYPE_ONLY_TARGETS and _is_noop(node):
-                node.replace_all_uses_with(node.args[0])
-                graph.erase_node(node)
-                erased += 1
-        if erased:
-            graph.lint()
-            program.graph_module.recompile()
+        erased = erase_nodes(program, lambda node: node.target in _DTYPE_ONLY_TARGETS and _is_noop(node))
         return program, {"casts_erased": erased}

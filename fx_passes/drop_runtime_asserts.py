@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 
-from fx_passes.base import PassContext
+from fx_passes.base import PassContext, erase_nodes
 
 _ASSERT_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
 
@@ -22,13 +22,5 @@ class DropRuntimeAsserts:
     def __call__(
         self, program: ExportedProgram, context: PassContext
     ) -> tuple[ExportedProgram, dict[str, int]]:
-        graph = program.graph_module.graph
-        erased = 0
-        for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in _ASSERT_TARGETS and not node.users:
-                graph.erase_node(node)
-                erased += 1
-        if erased:
-            graph.lint()
-            program.graph_module.recompile()
+        erased = erase_nodes(program, lambda node: node.target in _ASSERT_TARGETS and not node.users)
         return program, {"asserts_erased": erased}
