@@ -148,17 +148,15 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
 
 def _require_causal_lm(architecture: str | None, config: Any) -> None:
     text_config = config.get_text_config(decoder=True)
-    if getattr(config, "is_encoder_decoder", False) or (
-        architecture not in _CAUSAL_LM_CLASSES
-        and text_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    ):
+    known_causal_lm = (
+        architecture in _CAUSAL_LM_CLASSES or text_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
+    lm_head_class = not architecture or architecture.endswith(
+        ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
+    )
+    if getattr(config, "is_encoder_decoder", False) or not known_causal_lm or not lm_head_class:
         raise ExporterError(
             f"{architecture or config.model_type} is not a decoder language model; "
-            "this exporter takes causal LMs (…ForCausalLM, or a multimodal model's language model)"
-        )
-    if architecture and not architecture.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")):
-        raise ExporterError(
-            f"{architecture} is not a decoder language model; "
             "this exporter takes causal LMs (…ForCausalLM, or a multimodal model's language model)"
         )
 

@@ -14,9 +14,16 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 
+from fx_passes import markers  # noqa: F401  (registers the genai_exporter::last_token op)
 from fx_passes.base import PassContext
-from fx_passes.graph_facts import PassDidNotApply, axes_equal_to, graph_outputs, sequence_symbol, user_input
-from fx_passes.markers import last_token
+from fx_passes.graph_facts import (
+    PassDidNotApply,
+    axes_equal_to,
+    graph_outputs,
+    sequence_symbol,
+    set_fake_value,
+    user_input,
+)
 
 _aten = torch.ops.aten
 _PROJECTIONS = (_aten.linear.default, _aten.matmul.default, _aten.mm.default)
@@ -25,10 +32,7 @@ _PROJECTIONS = (_aten.linear.default, _aten.matmul.default, _aten.mm.default)
 def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.fx.Node, axis: int) -> torch.fx.Node:
     with graph.inserting_after(tensor):
         gathered = graph.call_function(torch.ops.genai_exporter.last_token.default, (tensor, mask, axis))
-    value = tensor.meta.get("val")
-    if isinstance(value, torch.Tensor):
-        with torch._guards.detect_fake_mode([value]) or torch._subclasses.FakeTensorMode():
-            gathered.meta["val"] = last_token(value, mask.meta["val"], axis)
+    set_fake_value(gathered)
     return gathered
 
 

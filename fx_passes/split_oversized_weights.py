@@ -6,8 +6,8 @@ oversized weight is rewritten so the result is identical:
 
 - an embedding lookup splits the table by columns (each piece a lookup, results concatenated along
   the last axis; for the per-layer table the pieces fall on layer boundaries when sizes allow);
-- a linear layer (e.g. a tied LM head) splits the weight by output rows (and the bias alike), the
-  partial outputs concatenated along the last axis.
+- a linear layer without bias (e.g. a tied LM head) splits the weight by output rows, the partial
+  outputs concatenated along the last axis.
 
 A weight used any other way cannot be split safely and is an error naming the op. The pass acts
 only when the profile sets ``max_buffer_size`` and reads sizes at the export precision.
@@ -88,12 +88,12 @@ class SplitOversizedWeights:
             width = columns // context.layout.num_layers if columns % context.layout.num_layers == 0 else 1
             bounds = piece_bounds(columns, rows, element_bytes, limit, multiple_of=width)
             slices = [weight[:, a:b] for a, b in bounds]
-            concat_dim = -1
         elif user.target is _LINEAR and user.args[1] is placeholder:
+            if len(user.args) > 2 and user.args[2] is not None:
+                raise PassDidNotApply(f"{self.name}: splitting a linear layer with a bias is not supported yet")
             rows, columns = weight.shape
             bounds = piece_bounds(rows, columns, element_bytes, limit)
             slices = [weight[a:b] for a, b in bounds]
-            concat_dim = -1
         else:
             raise PassDidNotApply(
                 f"{self.name}: weight {spec.target} ({tuple(weight.shape)}) is used by {user.target}; "
@@ -107,13 +107,11 @@ class SplitOversizedWeights:
                 args[0] = piece_node
             else:
                 args[1] = piece_node
-                if len(args) > 2 and args[2] is not None:
-                    raise PassDidNotApply(f"{self.name}: splitting a linear layer with a bias is not supported yet")
             with graph.inserting_before(user):
                 parts.append(graph.call_function(user.target, tuple(args), dict(user.kwargs)))
             set_fake_value(parts[-1])
         with graph.inserting_before(user):
-            joined = graph.call_function(_aten.cat.default, (parts, concat_dim))
+            joined = graph.call_function(_aten.cat.default, (parts, -1))
         set_fake_value(joined)
         user.replace_all_uses_with(joined)
         graph.erase_node(user)
