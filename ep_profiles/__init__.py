@@ -7,4 +7,4 @@ says about the provider, which precisions it can run); no stage branches on a pr
 from ep_profiles.profile import EpProfile
 from ep_profiles.registry import PLANNED_EPS, PROFILES, get_profile
 
-__all__ = ["EpProfile", "PLANNED_EPS", "PROFILES", "get_profile"]
+__all__ = ["PLANNED_EPS", "PROFILES", "EpProfile", "get_profile"]

@@ -10,8 +10,8 @@ consulted only for what the cache cannot show (sliding window, vocabulary, conte
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from transformers import DynamicCache, PreTrainedModel

@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass
 
 import onnx_ir as ir
-import onnx_ir.passes.common as common
+from onnx_ir.passes import common
 from onnxscript.rewriter import RewritePass, _ir_utils, pattern
 from onnxscript.rewriter.ort_fusions.rms_normalization import rms_normalization_rules
-from onnxscript.rewriter.ort_fusions.skip_normalization import skip_rms_normalization_ruleset
+from onnxscript.rewriter.ort_fusions.skip_normalization import (
+    skip_rms_normalization_ruleset,
+)
 
 
 class PowNegativeHalfToRsqrt(pattern.RewriteRuleClassBase):

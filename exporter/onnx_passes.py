@@ -9,11 +9,11 @@ set is left out: its matching cost grows with the square of the node count.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import onnx_ir as ir
-import onnx_ir.passes.common as common
+from onnx_ir.passes import common
 from onnxscript.optimizer import _constant_folding
 
 

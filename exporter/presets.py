@@ -9,8 +9,8 @@ stable reference; tempered, fp32 vs fp64 agree to ~1e-6 (see DESIGN.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import transformers

@@ -9,7 +9,7 @@ One graph serves prefill (past = 0) and decode (seq = 1).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.export import Dim, ExportedProgram

@@ -27,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from exporter import export  # noqa: E402
-from exporter.stages import StageRecord  # noqa: E402
+from exporter import export
+from exporter.stages import StageRecord
 
 
 def parse_args() -> argparse.Namespace:
@@ -101,7 +101,11 @@ def _time_to_first_token(model, prompt) -> float:
 def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
     """FLOPs of one prefill (batch 1, no past) for the program without and with the passes."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
+    from torch.utils.flop_counter import (
+        FlopCounterMode,
+        register_flop_formula,
+        sdpa_flop_count,
+    )
 
     from ep_profiles import get_profile
     from exporter.layout import derive_layout
