@@ -16,9 +16,12 @@ class EpProfile:
     precisions: precisions a package for this EP can be exported at; the first is the default.
     provider_options: options written under the provider in genai_config.json.
     fx_passes: names of FX passes (see ``fx_passes.registry``) to run, in order.
-    fused_ops: ONNX Runtime contrib ops the graph is fused into (see ``exporter.onnx_fusions``).
+    fused_ops: ONNX Runtime contrib ops the graph is fused into: "GroupQueryAttention" replaces
+        every layer's attention (an FX pass); the norms are ONNX fusions (``exporter.onnx_fusions``).
+        A profile without "GroupQueryAttention" keeps the plain MatMul/Softmax attention.
     max_buffer_size: the largest single weight the EP can hold, in bytes; None means no limit.
-    past_present_share_buffer: whether generation shares one KV buffer between past and present.
+    past_present_share_buffer: whether generation shares one KV buffer between past and present
+        (written to genai_config only when every layer's attention is GroupQueryAttention).
     """
 
     name: str

@@ -11,7 +11,8 @@ CPU = EpProfile(
     precisions=("fp32",),
     description="ONNX Runtime's default CPU provider",
     fx_passes=("drop_runtime_asserts", "drop_noop_casts"),
-    fused_ops=("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
+    fused_ops=("GroupQueryAttention", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
+    past_present_share_buffer=True,
 )
 
 PROFILES: dict[str, EpProfile] = {p.name: p for p in (CPU,)}

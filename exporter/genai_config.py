@@ -39,6 +39,7 @@ def build_genai_config(
     graph_input_names: list[str],
     model_filename: str,
     context_length: int,
+    share_kv_buffer: bool = False,
 ) -> dict[str, Any]:
     eos = _token_ids(getattr(generation_config, "eos_token_id", None))
     bos = _token_ids(getattr(generation_config, "bos_token_id", None))
@@ -96,7 +97,7 @@ def build_genai_config(
             "no_repeat_ngram_size": 0,
             "num_beams": 1,
             "num_return_sequences": 1,
-            "past_present_share_buffer": profile.past_present_share_buffer,
+            "past_present_share_buffer": share_kv_buffer,
             "repetition_penalty": float(getattr(generation_config, "repetition_penalty", None) or 1.0),
             "temperature": float(getattr(generation_config, "temperature", None) or 1.0),
             "top_k": int(getattr(generation_config, "top_k", None) or 50),

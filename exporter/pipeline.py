@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -18,7 +19,11 @@ from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter import package
 from exporter.errors import ExporterError
-from exporter.genai_config import FALLBACK_DECODER_TYPE, build_genai_config, genai_model_type
+from exporter.genai_config import (
+    FALLBACK_DECODER_TYPE,
+    build_genai_config,
+    genai_model_type,
+)
 from exporter.layout import DecoderLayout, derive_layout
 from exporter.lower import lower
 from exporter.onnx_fusions import FusionDidNotApply, run_fusions
@@ -31,6 +36,7 @@ from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,10 @@ def export(
                 report.graph_inputs,
                 package.MODEL_FILENAME,
                 context_length=layout.context_length,
+                # One KV buffer for past and present needs GroupQueryAttention in every layer,
+                # which the substitution pass guarantees (it fails otherwise).
+                share_kv_buffer=profile.past_present_share_buffer
+                and report.op_counts.get(f"com.microsoft.{GROUP_QUERY_ATTENTION}", 0) == layout.num_layers,
             )
             package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
             package.save_tokenizer(loaded.tokenizer, staging)
@@ -161,12 +171,14 @@ def export(
 
 
 def fx_pass_names(profile, layout: DecoderLayout, full_logits: bool) -> list[str]:
-    """The profile's passes; weight splitting where the profile limits buffer sizes; then the
-    last-token passes unless all logits are wanted, the shared-KV truncation only where the model
-    has KV-shared layers."""
+    """The profile's passes; weight splitting where the profile limits buffer sizes;
+    GroupQueryAttention where the profile runs it; then the last-token passes unless all logits
+    are wanted, the shared-KV truncation only where the model has KV-shared layers."""
     names = list(profile.fx_passes)
     if profile.max_buffer_size is not None:
         names.append("split_oversized_weights")
+    if GROUP_QUERY_ATTENTION in profile.fused_ops:
+        names.append("substitute_group_query_attention")
     if not full_logits:
         names.append("gather_last_token")
         if layout.shared_layer_indices:
@@ -185,7 +197,7 @@ def _describe_truncation(changes: dict[str, int]) -> str | None:
         f"layer-rows for every prompt token but the last ({shared * 511} for a 512-token prompt)"
     )
     if first < first_shared:
-        note += f"; layer {first} runs its query path and MLP on it too"
+        note += f"; the part of layer {first} that feeds no KV cache runs on it too"
     return note
 
 

@@ -135,6 +135,13 @@ PRESETS: dict[str, Preset] = {
             temper_qk_norm=True,
         ),
         Preset("tiny-llama", "4-layer Llama with grouped KV heads", _small(transformers.LlamaConfig)),
+        Preset(
+            "llama-shape",
+            "Llama 3.2 1B's 16-layer structure at reduced width (hidden 512, 8 heads, 2 KV heads, vocab 32768); "
+            "for benchmarks",
+            _small(transformers.LlamaConfig, hidden_size=512, intermediate_size=2048, num_hidden_layers=16,
+                   num_attention_heads=8, vocab_size=32768, max_position_embeddings=4096, tie_word_embeddings=True),
+        ),
         Preset("tiny-qwen3", "4-layer Qwen3 (q/k norms)", _small(transformers.Qwen3Config, head_dim=16)),
         Preset(
             "tiny-mistral",

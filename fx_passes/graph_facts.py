@@ -46,6 +46,11 @@ def expr_of(value) -> sympy.Expr | None:
     return None
 
 
+def same_shape(a, b) -> bool:
+    """Shapes equal dimension by dimension, symbolic sizes compared as expressions (no guards)."""
+    return len(a) == len(b) and all(expr_of(x) == expr_of(y) for x, y in zip(a, b, strict=True))
+
+
 def axes_equal_to(node: Node, expr: sympy.Expr) -> list[int]:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):

@@ -7,9 +7,11 @@ lowering written with onnxscript, collected in ``ONNX_TRANSLATIONS`` for ``torch
 
 from __future__ import annotations
 
+import onnx
 import torch
-from onnxscript import INT64
+from onnxscript import INT32, INT64
 from onnxscript import opset18 as op
+from onnxscript.values import Op, Opset
 
 
 @torch.library.custom_op("genai_exporter::last_token", mutates_args=())
@@ -54,4 +56,128 @@ def _last_token_onnx(x, attention_mask, dim: int):
     return op.GatherElements(x, op.Expand(index, out_shape), axis=dim)
 
 
-ONNX_TRANSLATIONS = {torch.ops.genai_exporter.last_token.default: _last_token_onnx}
+@torch.library.custom_op("genai_exporter::group_query_attention", mutates_args=())
+def group_query_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_heads: int,
+    kv_num_heads: int,
+    scale: float,
+    softcap: float,
+    local_window_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ONNX Runtime's ``com.microsoft.GroupQueryAttention`` (separate past and present buffers),
+    with ``seqlens_k`` and ``total_sequence_length`` taken from the attention mask.
+
+    query [batch, seq, num_heads * head], key/value [batch, new, kv_num_heads * head] (new = seq,
+    or 0 for a layer that reads another layer's cache), past [batch, kv_num_heads, past, head].
+    Each row's cache is compact: row b holds ``sum(attention_mask[b])`` real tokens, its past ones
+    first and the new ones right after (ONNX Runtime GenAI's right padding leaves no hole). The
+    queries' positions end at the row's last real token, except in a first prompt (queries as
+    many as mask columns), where they start at 0 and a right-padded row's trailing queries are
+    padding. A query sees the
+    real keys at or before its position, the last ``local_window_size`` of them when that is > 0;
+    ``softcap`` > 0 caps scores as ``softcap * tanh(scores / softcap)``.
+    Returns the attention output [batch, seq, num_heads * head] and the present key/value
+    [batch, kv_num_heads, past + new, head].
+    """
+    batch, seq, _ = query.shape
+    new, past, head = key.shape[1], past_key.shape[2], past_key.shape[3]
+    real = attention_mask.to(torch.int64).sum(-1)  # [batch]
+    # ONNX Runtime's rule: a call whose queries span the whole mask is a first prompt.
+    first_prompt = seq == attention_mask.shape[1]
+    start = torch.zeros_like(real) if first_prompt else (real - new).clamp(min=0)
+
+    def present(past_tensor, new_tensor):
+        out = torch.zeros(batch, kv_num_heads, past + new, head, dtype=past_tensor.dtype)
+        out[:, :, :past] = past_tensor
+        new_heads = new_tensor.view(batch, new, kv_num_heads, head).transpose(1, 2)
+        for row in range(batch):
+            out[row, :, int(start[row]) : int(start[row]) + new] = new_heads[row]
+        return out
+
+    present_key, present_value = present(past_key, key), present(past_value, value)
+    slots = torch.arange(past + new)
+    if first_prompt:
+        positions = torch.arange(seq).expand(batch, seq)
+    else:
+        positions = real[:, None] - seq + torch.arange(seq)
+    visible = (slots[None, None, :] <= positions[:, :, None]) & (slots[None, None, :] < real[:, None, None])
+    if local_window_size > 0:
+        visible &= slots[None, None, :] > positions[:, :, None] - local_window_size
+    groups = num_heads // kv_num_heads
+    q = query.view(batch, seq, num_heads, head).transpose(1, 2)
+    k = present_key.repeat_interleave(groups, dim=1)
+    v = present_value.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padded query sees nothing
+    output = (weights @ v).transpose(1, 2).reshape(batch, seq, num_heads * head)
+    return output, present_key, present_value
+
+
+@group_query_attention.register_fake
+def _(query, key, value, past_key, past_value, attention_mask, num_heads, kv_num_heads, scale, softcap,
+      local_window_size):
+    shape = list(past_key.shape)
+    shape[2] = past_key.shape[2] + key.shape[1]
+    return query.new_empty(query.shape), past_key.new_empty(shape), past_value.new_empty(shape)
+
+
+def _contrib_op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, int]) -> Op:
+    """An onnxscript handle for a com.microsoft op: onnxscript has no schemas for ONNX Runtime's
+    contrib ops, so the schema (inputs, outputs, attributes) is declared here."""
+
+    def parameter(spec: str):
+        name, _, type_str = spec.partition(":")
+        return onnx.defs.OpSchema.FormalParameter(name, type_str or "T")
+
+    schema = onnx.defs.OpSchema(
+        name,
+        "com.microsoft",
+        1,
+        inputs=[parameter(i) for i in inputs],
+        outputs=[parameter(o) for o in outputs],
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+            ("M", ["tensor(int32)"], ""),
+        ],
+        attributes=[onnx.defs.OpSchema.Attribute(a, t, required=False) for a, t in attributes.items()],
+    )
+    return Op(Opset("com.microsoft", 1), name, schema)
+
+
+_ATTR = onnx.defs.OpSchema.AttrType
+_GROUP_QUERY_ATTENTION = _contrib_op(
+    "GroupQueryAttention",
+    ["query", "key", "value", "past_key", "past_value", "seqlens_k:M", "total_sequence_length:M"],
+    ["output", "present_key", "present_value"],
+    {"num_heads": _ATTR.INT, "kv_num_heads": _ATTR.INT, "scale": _ATTR.FLOAT, "softcap": _ATTR.FLOAT,
+     "local_window_size": _ATTR.INT},
+)
+
+
+def _group_query_attention_onnx(query, key, value, past_key, past_value, attention_mask, num_heads: int,
+                                kv_num_heads: int, scale: float, softcap: float, local_window_size: int):
+    # Identical in every layer: the ONNX common-subexpression pass keeps one copy.
+    real = op.ReduceSum(op.Cast(attention_mask, to=INT64.dtype), op.Constant(value_ints=[1]), keepdims=0)
+    seqlens_k = op.Cast(op.Sub(real, op.Constant(value_int=1)), to=INT32.dtype)
+    total = op.Cast(op.Squeeze(op.Shape(attention_mask, start=1, end=2)), to=INT32.dtype)
+    return _GROUP_QUERY_ATTENTION(
+        query, key, value, past_key, past_value, seqlens_k, total,
+        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
+        local_window_size=local_window_size if local_window_size > 0 else -1,  # ORT: -1 = no window
+        _outputs=3,
+    )
+
+
+ONNX_TRANSLATIONS = {
+    torch.ops.genai_exporter.last_token.default: _last_token_onnx,
+    torch.ops.genai_exporter.group_query_attention.default: _group_query_attention_onnx,
+}

@@ -2,7 +2,8 @@
 
 In generation, the logits of the last token are all that is read, and present KV outputs are all
 that must cover every token. The nodes that feed the logits but no present KV (for Gemma 4 E2B:
-the query path, attention and MLP of layer 14 and everything in the KV-shared layers 15-34) can
+the query path, attention and MLP of layer 14, or only what follows its attention once that is one
+GroupQueryAttention writing the present KV, and everything in the KV-shared layers 15-34) can
 therefore work on one token per sequence. The pass finds that region from the program's dataflow,
 gathers the last real token of every sequence-length tensor that flows into it (hidden states,
 per-layer inputs, rotary tables, the query axis of attention masks), and rewrites the sequence
@@ -14,6 +15,8 @@ error, not a no-op, when the model declares shared layers but the region does no
 """
 
 from __future__ import annotations
+
+import operator
 
 import sympy
 import torch
@@ -49,6 +52,9 @@ class TruncateSharedKvLayers:
         region = {
             n for n in ancestors(outputs[:1]) - feeds_present if n.op == "call_function"
         }
+        # Picking one output of a multi-output op (GroupQueryAttention's attention output, whose
+        # presents stay whole) belongs with the op: the gathers go after the pick.
+        region -= {n for n in region if n.target is operator.getitem and n.args[0] not in region}
         self._check_region_covers_shared_layers(region, graph, layout)
 
         seq = sequence_symbol(program)

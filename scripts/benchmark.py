@@ -5,6 +5,7 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py tiny-llama --prompt-lengths 32 64 --decode-tokens 16
     python scripts/benchmark.py --truncation          # prefill truncation on vs off, 128/512/1024
     python scripts/benchmark.py --fusions             # ONNX fusions on vs off
+    python scripts/benchmark.py --attention           # GroupQueryAttention vs plain attention
 
 --truncation exports the model twice (last-token passes on, and off via full_logits), then times
 time-to-first-token for both packages alternately in one run, next to the ratio predicted from
@@ -40,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="keep the package here (default: a temporary folder)")
     parser.add_argument("--fusions", action="store_true",
                         help="compare TTFT with the profile's ONNX fusions on vs off")
+    parser.add_argument("--attention", action="store_true",
+                        help="compare GroupQueryAttention with plain attention: TTFT and decode at 512 tokens")
     parser.add_argument("--truncation", action="store_true",
                         help="compare prefill with the last-token passes on vs off (prompts 128/512/1024)")
     return parser.parse_args()
@@ -124,7 +127,9 @@ def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
     flops: dict[str, dict[int, int]] = {"off": {}, "on": {}}
     for variant in ("off", "on"):
         if variant == "on":
-            extra = fx_pass_names(get_profile("cpu"), layout, full_logits=False)[len(get_profile("cpu").fx_passes):]
+            # Only the truncation passes: FlopCounterMode cannot count the attention marker's FLOPs.
+            extra = [n for n in fx_pass_names(get_profile("cpu"), layout, full_logits=False)[len(get_profile("cpu").fx_passes):]
+                     if n != "substitute_group_query_attention"]
             program, _ = run_fx_passes(program, [FX_PASSES[n] for n in extra], context)
         for length in prompt_lengths:
             inputs = make_inputs(layout, 1, length, 0, generator=torch.Generator().manual_seed(0))
@@ -152,6 +157,72 @@ def alternating_ttft(packages: dict, lengths, repeats) -> dict[str, dict[int, li
             for variant in order:
                 times[variant].setdefault(length, []).append(_time_to_first_token(models[variant], prompt))
     return times
+
+
+def alternating_generation(packages: dict, length: int, decode_tokens: int, repeats: int):
+    """TTFT and decode tokens/s of each package for one prompt length, variants taking turns
+    (order flipped every repeat), one discarded warm-up each."""
+    import onnxruntime_genai as og
+
+    models = {variant: og.Model(str(package.path)) for variant, package in packages.items()}
+    vocab_size = next(iter(packages.values())).layout.vocab_size
+    prompt = np.random.default_rng(0).integers(3, vocab_size, size=(1, length), dtype=np.int32)
+    results: dict[str, dict[str, list[float]]] = {v: {"ttft": [], "decode": []} for v in models}
+
+    def run(model):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=length + decode_tokens, do_sample=False)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(prompt)
+        generator.get_next_tokens()
+        ttft = time.perf_counter() - start
+        start, steps = time.perf_counter(), 0
+        while not generator.is_done() and steps < decode_tokens:
+            generator.generate_next_token()
+            steps += 1
+        return ttft, steps / (time.perf_counter() - start)
+
+    for model in models.values():
+        run(model)
+    for repeat in range(repeats):
+        for variant in (list(models) if repeat % 2 == 0 else list(reversed(models))):
+            ttft, rate = run(models[variant])
+            results[variant]["ttft"].append(ttft)
+            results[variant]["decode"].append(rate)
+    return results
+
+
+def benchmark_attention(args) -> None:
+    """GroupQueryAttention (the cpu profile) vs the same profile without it (plain attention,
+    separate past/present buffers), alternating in one run."""
+    import dataclasses
+
+    from ep_profiles import get_profile
+    from exporter.sources import load
+
+    loaded = load(args.model)
+    cpu = get_profile("cpu")
+    plain = dataclasses.replace(cpu, name="cpu-plain-attention", past_present_share_buffer=False,
+                                fused_ops=tuple(op for op in cpu.fused_ops if op != "GroupQueryAttention"))
+    length = args.prompt_lengths[-1]
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = {}
+        for variant, profile in (("plain", plain), ("gqa", cpu)):
+            print(f"exporting with {variant} attention ...", file=sys.stderr, flush=True)
+            packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, output_dir=Path(scratch) / variant)
+        results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
+        nodes = {v: sum(p.report.op_counts.values()) for v, p in packages.items()}
+        print(f"\n## Attention, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, "
+              f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)\n")
+        print(f"ONNX nodes: plain {nodes['plain']}, GroupQueryAttention {nodes['gqa']}\n")
+        print("| attention | TTFT ms | decode tokens/s |\n|---|---:|---:|")
+        for variant in ("plain", "gqa"):
+            print(f"| {variant} | {statistics.median(results[variant]['ttft']) * 1000:.0f} | "
+                  f"{statistics.median(results[variant]['decode']):.1f} |")
+        ttft_ratio = statistics.median(results["plain"]["ttft"]) / statistics.median(results["gqa"]["ttft"])
+        decode_ratio = statistics.median(results["gqa"]["decode"]) / statistics.median(results["plain"]["decode"])
+        print(f"| plain/gqa time, gqa/plain rate | {ttft_ratio:.2f}x | {decode_ratio:.2f}x |")
 
 
 def benchmark_fusions(args) -> None:
@@ -214,6 +285,9 @@ def main() -> None:
         return
     if args.fusions:
         benchmark_fusions(args)
+        return
+    if args.attention:
+        benchmark_attention(args)
         return
     with tempfile.TemporaryDirectory() as scratch:
         output = args.output or Path(scratch) / "package"

@@ -6,7 +6,8 @@ exporter plans to rely on (maintenance script, not a test; run it after upgradin
 Semantics probed (com.microsoft.GroupQueryAttention, separate past/present buffers):
 - seqlens_k[b] = (real tokens of row b so far) - 1, total_sequence_length = max over rows + 1;
   new K/V of row b are written right after its own past (right padding leaves no hole);
-- a first prompt (empty past) of a right-padded batch: row b's real tokens are its first
+- a first prompt (as many queries as total_sequence_length, so also a KV-shared layer's whole
+  prompt) of a right-padded batch: query i sits at position i; row b's real tokens are its first
   seqlens_k[b] + 1 positions; queries past them are padding and never read;
 - local_window_size = W: each query sees the last W keys including itself (HF sliding_window = W);
 - softcap: scores -> softcap * tanh(scores / softcap) before the softmax;
@@ -50,11 +51,12 @@ def gqa_session(num_heads, kv_heads, head_dim, window=-1, softcap=0.0):
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-def reference(query, key, value, past_key, past_value, seqlens_k, kv_heads, head_dim, window, softcap):
+def reference(query, key, value, past_key, past_value, seqlens_k, total_length, kv_heads, head_dim, window,
+              softcap):
     batch, seq, _ = query.shape
     new, past_len = key.shape[1], past_key.shape[2]
     num_heads = query.shape[2] // head_dim
-    first_prompt = past_len == 0
+    first_prompt = seq == total_length
     key = key.reshape(batch, new, kv_heads, head_dim).transpose(0, 2, 1, 3)
     value = value.reshape(batch, new, kv_heads, head_dim).transpose(0, 2, 1, 3)
     length = max(past_len + new, new) if new else past_len
@@ -63,7 +65,7 @@ def reference(query, key, value, past_key, past_value, seqlens_k, kv_heads, head
     out = np.zeros_like(query)
     for b in range(batch):
         total = int(seqlens_k[b]) + 1
-        before = 0 if first_prompt else (total - new if new else total)
+        before = 0 if first_prompt and new else (total - new if new else total)
         keys[b, :, :before], values[b, :, :before] = past_key[b, :, :before], past_value[b, :, :before]
         keys[b, :, before : before + new], values[b, :, before : before + new] = key[b], value[b]
         q = query[b].reshape(seq, num_heads, head_dim)
@@ -92,6 +94,7 @@ CASES = {
     "KV-shared decode": (2, 1, 8, [7, 5], -1, 0.0, True),
     "KV-shared decode past the window": (2, 1, 12, [11, 8], 4, 0.0, True),
     "KV-shared, one query over a prompt": (2, 1, 6, [5, 2], -1, 0.0, True),
+    "KV-shared, whole right-padded prompt": (2, 6, 6, [5, 2], 4, 0.0, True),
 }
 
 
@@ -117,12 +120,12 @@ def main() -> int:
         output, present_key, _ = gqa_session(num_heads, kv_heads, head_dim, window, softcap).run(None, feeds)
         expected_output, expected_keys = reference(
             *(feeds[k] for k in ("query", "key", "value", "past_key", "past_value", "seqlens_k")),
-            kv_heads, head_dim, window, softcap,
+            int(feeds["total_sequence_length"]), kv_heads, head_dim, window, softcap,
         )
         diff = 0.0
         for b in range(batch):
             total = seqlens[b] + 1
-            read = total if past == 0 else seq  # a first prompt's padded queries are never read
+            read = total if seq == feeds["total_sequence_length"] else seq  # padded queries are never read
             diff = max(diff, float(np.abs(output[b, :read] - expected_output[b, :read]).max()))
             if not shared:
                 diff = max(diff, float(np.abs(present_key[b, :, :total] - expected_keys[b, :, :total]).max()))

@@ -3,6 +3,7 @@ reads its package (exports cost 5-20 s each on 2 cores)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +13,17 @@ import pytest
 # Tests never reach the Hugging Face hub: make any attempt fail at once instead of timing out.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from exporter import ExportedPackage, export  # noqa: E402
-from exporter.presets import build_preset  # noqa: E402
+from ep_profiles import get_profile
+from exporter import ExportedPackage, export
+from exporter.presets import build_preset
+
+# The CPU profile without GroupQueryAttention: transformers' own attention (MatMul/Softmax), the
+# form a profile that cannot run GroupQueryAttention exports.
+PLAIN_ATTENTION_CPU = dataclasses.replace(
+    get_profile("cpu"),
+    fused_ops=tuple(op for op in get_profile("cpu").fused_ops if op != "GroupQueryAttention"),
+    past_present_share_buffer=False,
+)
 
 # Every decoder family the suite covers, as built-in presets (all random weights, offline).
 FAMILIES = [
@@ -40,12 +50,14 @@ class PresetExports:
         self.root = root
         self._cache: dict[str, ExportedPreset] = {}
 
-    def get(self, name: str) -> ExportedPreset:
-        if name not in self._cache:
+    def get(self, name: str, plain_attention: bool = False) -> ExportedPreset:
+        key = f"{name}-plain-attention" if plain_attention else name
+        if key not in self._cache:
             model, tokenizer = build_preset(name)
-            package = export(model, tokenizer, ep="cpu", output_dir=self.root / name)
-            self._cache[name] = ExportedPreset(name, package, model, tokenizer)
-        return self._cache[name]
+            profile = PLAIN_ATTENTION_CPU if plain_attention else "cpu"
+            package = export(model, tokenizer, ep=profile, output_dir=self.root / key)
+            self._cache[key] = ExportedPreset(name, package, model, tokenizer)
+        return self._cache[key]
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,9 @@ def test_report_shows_truncation_at_layer_15(e2b_shape):
     assert (
         "prefill truncation at layer 15 of 35: 20 layers (15-34, KV-shared) run on the last token only, "
         "saving 20 layer-rows for every prompt token but the last (10220 for a 512-token prompt); "
-        "layer 14 runs its query path and MLP on it too"
+        "the part of layer 14 that feeds no KV cache runs on it too"
     ) in e2b_shape.package.report.notes
+    assert e2b_shape.package.report.op_counts["com.microsoft.GroupQueryAttention"] == 35
 
 
 @pytest.mark.l1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnxruntime_genai as og
 import pytest
@@ -19,7 +21,7 @@ def _until_eos(tokens: list[int]) -> list[int]:
     return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
 
 
-def _transformers_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+def _transformers_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """transformers' own batching: left padding with an attention mask."""
     width = max(map(len, prompts))
     ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts])
@@ -28,7 +30,7 @@ def _transformers_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            max_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=PAD_ID,
             eos_token_id=EOS_ID,
@@ -36,11 +38,11 @@ def _transformers_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
     return [_until_eos(row[width:].tolist()) for row in out]
 
 
-def _genai_greedy(package_dir, prompts: list[list[int]]) -> list[list[int]]:
+def _genai_greedy(package_dir, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     model = og.Model(str(package_dir))
     width = max(map(len, prompts))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=width + NEW_TOKENS, do_sample=False, batch_size=len(prompts))
+    params.set_search_options(max_length=width + new_tokens, do_sample=False, batch_size=len(prompts))
     generator = og.Generator(model, params)
     # ONNX Runtime GenAI pads batches on the right: it masks trailing pad tokens, feeds each new
     # token after the padding, and reads each row's logits at its last real token.
@@ -59,3 +61,25 @@ def test_genai_greedy_matches_transformers(family_export, prompts):
     actual = _genai_greedy(family_export.package.path, prompts)
     assert all(len(row) > 1 for row in expected), "degenerate reference: generation ended at once"
     assert actual == expected
+
+
+# tiny-gemma-4 slides over 16 tokens: a 24-token prompt is longer than the window, and 64 new
+# tokens go four windows past it, through the shared KV buffer.
+PAST_WINDOW_TOKENS = 64
+PROMPT_LONGER_THAN_WINDOW = [BOS_ID] + [(7 * i + 3) % 500 + 3 for i in range(23)]
+
+
+@pytest.mark.l4
+@pytest.mark.parametrize("plain_attention", [False, True], ids=["group-query-attention", "plain-attention"])
+@pytest.mark.parametrize(
+    "prompts",
+    [[PROMPT_LONGER_THAN_WINDOW], [SHORT_PROMPT], [PROMPT_LONGER_THAN_WINDOW, SHORT_PROMPT]],
+    ids=["prompt-longer-than-window", "prompt-shorter-than-window", "uneven-batch"],
+)
+def test_generation_past_the_sliding_window(preset_exports, prompts, plain_attention):
+    exported = preset_exports.get("tiny-gemma-4", plain_attention=plain_attention)
+    config = json.loads((exported.package.path / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is not plain_attention
+    expected = _transformers_greedy(exported.model, prompts, PAST_WINDOW_TOKENS)
+    assert all(len(row) == PAST_WINDOW_TOKENS for row in expected), "reference stopped before the window"
+    assert _genai_greedy(exported.package.path, prompts, PAST_WINDOW_TOKENS) == expected

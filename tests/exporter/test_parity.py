@@ -20,8 +20,8 @@ CASES = [
     (2, 1, 9, {}),
     (3, 20, 0, {}),
     (1, 1, 30, {}),
-    (2, 6, 0, {"left_padding": (0, 3)}),  # transformers' batching: a prompt left-padded by 3
-    (2, 1, 8, {"left_padding": (0, 3)}),  # a decode step of that batch
+    (2, 6, 0, {"left_padding": (0, 3)}),  # transformers' batching: a prompt left-padded by 3 (plain attention only)
+    (2, 1, 8, {"left_padding": (0, 3)}),  # a decode step of that batch (plain attention only)
     (2, 6, 0, {"right_padding": (0, 3)}),  # ONNX Runtime GenAI's batching: right-padded prefill
     (2, 1, 8, {"past_right_padding": (0, 3)}),  # its decode step, with the padding as a hole
 ]
@@ -46,17 +46,37 @@ def test_full_logits_package_matches_pytorch(preset_exports, tmp_path):
     """--full-logits keeps every position (and turns the truncation passes off)."""
     exported = preset_exports.get("tiny-gemma-4")
     package = export(exported.model, exported.tokenizer, output_dir=tmp_path / "full", full_logits=True)
-    assert [r["name"] for r in package.report.fx_passes] == ["drop_runtime_asserts", "drop_noop_casts"]
+    assert [r["name"] for r in package.report.fx_passes] == [
+        "drop_runtime_asserts", "drop_noop_casts", "substitute_group_query_attention"]
     check_parity(package, exported.model)
+
+
+@pytest.mark.l3
+def test_plain_attention_package_matches_pytorch(preset_exports):
+    """A profile without GroupQueryAttention keeps transformers' attention, left padding included."""
+    exported = preset_exports.get("tiny-gemma-4", plain_attention=True)
+    package = exported.package
+    assert "substitute_group_query_attention" not in [r["name"] for r in package.report.fx_passes]
+    assert not any(op.endswith("GroupQueryAttention") for op in package.report.op_counts)
+    check_parity(package, exported.model)
+
+
+def uses_group_query_attention(package) -> bool:
+    return package.report.op_counts.get("com.microsoft.GroupQueryAttention", 0) > 0
 
 
 def check_parity(package, model):
     layout = package.layout
+    # GroupQueryAttention reads each row's real-token count (ONNX Runtime GenAI pads on the right)
+    # and keeps every row's cache compact: real tokens first, no hole.
+    compact_cache = uses_group_query_attention(package)
     session = ort.InferenceSession(str(package.model_path), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == input_names(layout)
     reference = GenAIDecoder(model, layout).eval()
     generator = torch.Generator().manual_seed(0)
     for batch, seq, past, padding in CASES:
+        if compact_cache and "left_padding" in padding:
+            continue
         inputs = make_inputs(layout, batch, seq, past, generator=generator, **padding)
         with torch.no_grad():
             expected = [t.numpy() for t in reference(*inputs)]
@@ -75,7 +95,9 @@ def check_parity(package, model):
                 keep = real[:, past:]
                 got, want = got[keep], want[keep]
             else:
-                keep = real  # KV rows of padded positions are masked out of every later step
-                got, want = got.transpose(0, 2, 1, 3)[keep], want.transpose(0, 2, 1, 3)[keep]
+                # KV rows of padded positions are masked out of every later step
+                first_slots = np.arange(real.shape[1])[None, :] < real.sum(axis=1, keepdims=True)
+                got = got.transpose(0, 2, 1, 3)[first_slots if compact_cache else real]
+                want = want.transpose(0, 2, 1, 3)[real]
             diff = float(np.max(np.abs(got - want))) if got.size else 0.0
             assert diff <= TOLERANCE, f"{name} at (batch={batch}, seq={seq}, past={past}, pad={padding}): {diff:.2e}"

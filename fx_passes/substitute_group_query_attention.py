@@ -1,0 +1,156 @@
+"""Replace every layer's attention (cache concat, KV-head repetition, mask, attention) with one
+``genai_exporter::group_query_attention`` marker, lowered to ONNX Runtime's GroupQueryAttention.
+
+Found from the graph, not from model names: each attention core (SDPA or the eager soft-capped
+chain, see ``attention_cores``) is traced back to the ``cat([past, new])`` its keys and values
+come from. The first core to read a cache owns it: its marker takes the new K/V and the past
+input, and its present K/V replace the concat as graph outputs. A later core reading the same
+cache (Gemma 4's KV-shared layers) gets empty new K/V and the owner's present as its past, the
+form ONNX Runtime 1.32 computes correctly (``scripts/probe_ort_gqa.py``). Each mask is run on a
+probe sequence to learn whether it is causal or a causal sliding window (``mask_probe``); the
+marker builds that mask itself, so transformers' mask subgraph becomes dead and is removed.
+
+Padding: GroupQueryAttention reads only each row's count of real tokens, with the cache compact
+(ONNX Runtime GenAI pads on the right). Left-padded batches, transformers' own convention, are
+not supported by the substituted graph; ONNX Runtime GenAI never sends them.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Graph, Node
+
+from fx_passes import markers  # noqa: F401  (registers the marker op)
+from fx_passes.attention_cores import (
+    AttentionCore,
+    cache_concat,
+    find_attention_cores,
+    heads_output,
+)
+from fx_passes.base import PassContext
+from fx_passes.graph_facts import (
+    PassDidNotApply,
+    same_shape,
+    set_fake_value,
+    user_input,
+)
+from fx_passes.mask_probe import causal_window, evaluate_nodes, probe_inputs
+
+_aten = torch.ops.aten
+_GQA = torch.ops.genai_exporter.group_query_attention.default
+
+
+class SubstituteGroupQueryAttention:
+    name = "substitute_group_query_attention"
+
+    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict]:
+        layout = context.layout
+        cores = find_attention_cores(program)
+        if len(cores) != layout.num_layers:
+            raise PassDidNotApply(
+                f"{self.name}: found {len(cores)} attention cores (scaled_dot_product_attention or "
+                f"matmul-softmax-matmul) for {layout.num_layers} decoder layers"
+            )
+        windows = _windows(program, cores, layout)
+        graph = program.graph
+        attention_mask = user_input(program, "attention_mask")
+        presents: dict[Node, Node] = {}  # a cache's concat -> the present of the marker that owns it
+        shared = 0
+        for core, window in zip(cores, windows, strict=True):
+            key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
+            owner = key_cat not in presents
+            if owner != (value_cat not in presents):
+                raise PassDidNotApply(f"{self.name}: {core.output.name} reads one layer's keys and another's values")
+            heads = int(core.query.meta["val"].shape[1])
+            kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])
+            with graph.inserting_before(core.output):
+                query = _heads_last(graph, core.query)
+                if owner:
+                    key, value = _heads_last(graph, key_cat.args[0][1]), _heads_last(graph, value_cat.args[0][1])
+                    past_key, past_value = key_cat.args[0][0], value_cat.args[0][0]
+                else:
+                    key = value = _no_tokens(graph, query, kv_heads * head)
+                    past_key, past_value = presents[key_cat], presents[value_cat]
+                    shared += 1
+                marker = _call(graph, _GQA, query, key, value, past_key, past_value, attention_mask,
+                               heads, kv_heads, core.scale, core.softcap, window)
+                output, present_key, present_value = (_call(graph, operator.getitem, marker, i) for i in range(3))
+            if owner:
+                for concat, present in ((key_cat, present_key), (value_cat, present_value)):
+                    concat.replace_all_uses_with(present, delete_user_cb=lambda user: user.op == "output")
+                    presents[concat] = present
+            _replace_output(graph, core, output)
+        graph.eliminate_dead_code()
+        graph.lint()
+        program.graph_module.recompile()
+        if sum(n.target is _GQA for n in graph.nodes) != layout.num_layers:
+            raise PassDidNotApply(f"{self.name}: the rewritten graph lost a GroupQueryAttention")
+        return program, {
+            "layers": len(cores),
+            "kv_shared_layers": shared,
+            "sliding_window_layers": sum(1 for w in windows if w),
+            "soft_capped_layers": sum(1 for c in cores if c.softcap),
+            "substituted_layers": [c.layer for c in cores],
+        }
+
+
+def _call(graph: Graph, target, *args) -> Node:
+    node = graph.call_function(target, args)
+    set_fake_value(node)
+    return node
+
+
+def _heads_last(graph: Graph, node: Node) -> Node:
+    """[batch, heads, seq, head] -> [batch, seq, heads * head], reusing the projection output the
+    tensor was made from where it is just that one viewed and transposed."""
+    if node.target is _aten.transpose.int and sorted(node.args[1:]) == [1, 2]:
+        source = node.args[0]  # [batch, seq, heads, head]
+        flat = source.args[0] if source.target in (_aten.view.default, _aten.reshape.default) else None
+        if flat is not None and same_shape(flat.meta["val"].shape, (*source.meta["val"].shape[:2], _width(source))):
+            return flat
+        return _call(graph, _aten.flatten.using_ints, source, 2, 3)
+    return _call(graph, _aten.flatten.using_ints, _call(graph, _aten.transpose.int, node, 1, 2), 2, 3)
+
+
+def _width(node: Node) -> int:
+    shape = node.meta["val"].shape
+    return int(shape[-2]) * int(shape[-1])
+
+
+def _no_tokens(graph: Graph, query: Node, width: int) -> Node:
+    """Empty new keys/values [batch, 0, width] for a layer that reads another layer's cache."""
+    return _call(graph, _aten.slice.Tensor, _call(graph, _aten.slice.Tensor, query, 1, 0, 0), 2, 0, width)
+
+
+def _replace_output(graph: Graph, core: AttentionCore, output: Node) -> None:
+    """Give the core's readers the marker's [batch, seq, heads * head] output, skipping
+    transformers' transpose/reshape back to that layout where it follows the core."""
+    target, chain = heads_output(core)
+    if chain:
+        target.replace_all_uses_with(output)
+    else:
+        heads, head = (int(d) for d in core.output.meta["val"].shape[1::2])
+        with graph.inserting_after(output):
+            split = _call(graph, _aten.unflatten.int, output, 2, [heads, head])
+        with graph.inserting_after(split):
+            restored = _call(graph, _aten.transpose.int, split, 1, 2)
+        core.output.replace_all_uses_with(restored)
+    for node in [*reversed(chain), *reversed(core.nodes)]:
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _windows(program: ExportedProgram, cores: list[AttentionCore], layout) -> list[int]:
+    """Each core's sliding window (0: none), read off its mask on a probe longer than any window
+    the config declares (capped at the context length: a longer window never takes effect)."""
+    masks = list(dict.fromkeys(c.mask for c in cores if c.mask is not None))
+    for core in cores:
+        if core.mask is None and not core.is_causal:
+            raise PassDidNotApply(f"{core.output.name}: attention without a mask is not causal")
+    length = min(2 * (layout.sliding_window or 8) + 1, layout.context_length + 1)
+    values = evaluate_nodes(program, masks, probe_inputs(program, length)) if masks else []
+    window_of = {mask: causal_window(value, mask.name) for mask, value in zip(masks, values, strict=True)}
+    return [window_of[c.mask] if c.mask is not None else 0 for c in cores]

@@ -1,0 +1,133 @@
+"""L2 / L1: GroupQueryAttention substitution, run in PyTorch against the untouched program, and
+the graph facts it relies on (attention cores, mask probing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILIES
+
+from ep_profiles import get_profile
+from exporter.layout import derive_layout
+from exporter.presets import build_preset
+from exporter.trace import make_inputs, trace
+from fx_passes import FX_PASSES, PassContext, run_fx_passes
+from fx_passes.graph_facts import PassDidNotApply
+from fx_passes.mask_probe import causal_window
+
+GQA = torch.ops.genai_exporter.group_query_attention.default
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+# The marker's reference kernel runs the same fp32 math in another order (one softmax over the
+# whole compact cache instead of transformers' masked one): observed <= 3e-6 on logits.
+TOLERANCE = 1e-5
+PASSES = ["drop_runtime_asserts", "drop_noop_casts", "substitute_group_query_attention"]
+
+
+def _cases(layout):
+    """Shapes ONNX Runtime GenAI sends: past=0, seq=1, batch>1, longer than the sliding window,
+    and its right padding (a padded prompt, then the hole it leaves before new tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    long = (layout.sliding_window or 8) + 5
+    return [
+        make_inputs(layout, 1, 7, 0, generator=generator),
+        make_inputs(layout, 1, long, 0, generator=generator),
+        make_inputs(layout, 3, 1, 9, generator=generator),
+        make_inputs(layout, 1, 1, long, generator=generator),
+        make_inputs(layout, 1, 4, long, generator=generator),
+        make_inputs(layout, 2, 6, 0, generator=generator, right_padding=(0, 3)),
+        make_inputs(layout, 2, 1, long, generator=generator, past_right_padding=(0, 3)),
+    ]
+
+
+def assert_same_results(inputs, got, want, tolerance=TOLERANCE):
+    """Logits at real query positions; each row's present KV compared over its real tokens,
+    which GroupQueryAttention keeps first in the row (transformers keeps them where the mask
+    says, with the right-padding hole in between)."""
+    real = inputs[1].bool()
+    queries = real[:, real.shape[1] - inputs[0].shape[1] :]
+    if got[0].shape[1] == 1 and want[0].shape[1] != 1:
+        last = [int(torch.nonzero(row).max()) for row in queries]
+        want = (torch.stack([want[0][b, j] for b, j in enumerate(last)])[:, None], *want[1:])
+        queries = torch.ones(len(last), 1, dtype=torch.bool)
+    torch.testing.assert_close(got[0][queries], want[0][queries], rtol=0, atol=tolerance)
+    for got_kv, want_kv in zip(got[1:], want[1:], strict=True):
+        for row in range(len(real)):
+            count = int(real[row].sum())
+            torch.testing.assert_close(got_kv[row, :, :count], want_kv[row][:, real[row]], rtol=0, atol=tolerance)
+
+
+def _substituted(name, passes=PASSES):
+    model, _ = build_preset(name)
+    layout = derive_layout(model)
+    program, _ = trace(model, layout)
+    cases = _cases(layout)
+    with torch.no_grad():
+        before = [program.module()(*inputs) for inputs in cases]
+    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    program, records = run_fx_passes(program, [FX_PASSES[n] for n in passes], context)
+    return layout, program, cases, before, records[-1].changes
+
+
+@pytest.mark.l2
+@pytest.mark.parametrize("name", FAMILIES)
+def test_substitution_keeps_results(name):
+    layout, program, cases, before, changes = _substituted(name)
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert targets.count(GQA) == layout.num_layers == changes["layers"]
+    assert SDPA not in targets and torch.ops.aten.softmax.int not in targets
+    with torch.no_grad():
+        for inputs, want in zip(cases, before, strict=True):
+            assert_same_results(inputs, program.module()(*inputs), want)
+
+
+@pytest.mark.l2
+def test_substitution_reads_each_model_from_its_graph():
+    """Windows, soft-caps and KV sharing come from the graph: Gemma 4 slides in 8 of 10 layers and
+    shares 4 caches; gemma2 alternates windows and soft-caps every layer."""
+    *_, gemma4 = _substituted("tiny-gemma-4")
+    assert gemma4 == {"layers": 10, "kv_shared_layers": 4, "sliding_window_layers": 8, "soft_capped_layers": 0,
+                      "substituted_layers": list(range(10))}
+    layout, program, *_, gemma2 = _substituted("tiny-gemma2")
+    assert (gemma2["sliding_window_layers"], gemma2["soft_capped_layers"]) == (2, 4)
+    markers = [n for n in program.graph.nodes if n.target is GQA]
+    window = layout.sliding_window
+    assert [m.args[8:] for m in markers] == [(0.0625, 50.0, window), (0.0625, 50.0, 0)] * 2  # scale, softcap, window
+
+
+@pytest.mark.l2
+def test_substitution_works_with_prefill_truncation():
+    passes = [*PASSES, "gather_last_token", "truncate_shared_kv_layers"]
+    _, program, cases, before, _ = _substituted("tiny-gemma-4", passes)
+    with torch.no_grad():
+        for inputs, want in zip(cases, before, strict=True):
+            got = program.module()(*inputs)
+            assert got[0].shape[1] == 1
+            assert_same_results(inputs, got, want)
+
+
+@pytest.mark.l1
+def test_mask_probe_reads_causal_and_sliding_masks():
+    positions = torch.arange(10)
+    causal = positions[None, :] <= positions[:, None]
+    assert causal_window(causal, "m") == 0
+    assert causal_window(causal & (positions[None, :] > positions[:, None] - 4), "m") == 4
+    additive = torch.zeros(10, 10).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert causal_window(additive[None, None], "m") == 0
+    with pytest.raises(PassDidNotApply, match="neither causal nor a causal sliding window"):
+        causal_window(torch.ones(10, 10, dtype=torch.bool), "bidirectional")
+
+
+@pytest.mark.l1
+def test_substitution_refuses_attention_it_cannot_express():
+    """An op between the scores and the softmax that GroupQueryAttention has no input for (here
+    an extra bias added to the gemma2 scores) must fail the export, not be dropped."""
+    model, _ = build_preset("tiny-gemma2")
+    layout = derive_layout(model)
+    program, _ = trace(model, layout)
+    tanh = next(n for n in program.graph.nodes if n.target is torch.ops.aten.tanh.default)
+    with program.graph.inserting_after(tanh):
+        bias = program.graph.call_function(torch.ops.aten.sub.Tensor, (tanh, tanh))
+    tanh.replace_all_uses_with(bias, delete_user_cb=lambda user: user is not bias)
+    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    with pytest.raises(PassDidNotApply, match="attention scores pass through aten.sub.Tensor"):
+        FX_PASSES["substitute_group_query_attention"](program, context)
