@@ -19,6 +19,8 @@ class EpProfile:
     fused_ops: ONNX Runtime contrib ops the graph is fused into: "GroupQueryAttention" replaces
         every layer's attention (an FX pass); the norms are ONNX fusions (``exporter.onnx_fusions``).
         A profile without "GroupQueryAttention" keeps the plain MatMul/Softmax attention.
+    attention_rotary: whether GroupQueryAttention also applies the rotary embedding (``do_rotary``
+        with cos/sin caches) where the model's rotary has transformers' rotate_half form.
     max_buffer_size: the largest single weight the EP can hold, in bytes; None means no limit.
     past_present_share_buffer: whether generation shares one KV buffer between past and present
         (written to genai_config only when every layer's attention is GroupQueryAttention).
@@ -32,6 +34,7 @@ class EpProfile:
     provider_options: dict[str, str] = field(default_factory=dict)
     fx_passes: tuple[str, ...] = ()
     fused_ops: tuple[str, ...] = ()
+    attention_rotary: bool = True
     max_buffer_size: int | None = None
     past_present_share_buffer: bool = False
 

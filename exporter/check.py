@@ -125,6 +125,12 @@ def _check_genai_config(context: _Context) -> Iterator[Finding]:
         problems.append(f"logits width {logits_dims[-1].dim_value} != vocab_size {model['vocab_size']}")
     if context.config["search"]["max_length"] > model["context_length"]:
         problems.append("search.max_length exceeds context_length")
+    attention_ops = sum(n.op_type == "GroupQueryAttention" for n in context.graph.graph.node)
+    if context.config["search"].get("past_present_share_buffer") and attention_ops != decoder["num_hidden_layers"]:
+        problems.append(
+            f"past_present_share_buffer is on but only {attention_ops} of {decoder['num_hidden_layers']} layers "
+            "use GroupQueryAttention (other attention cannot write into a shared KV buffer)"
+        )
     og.Config(str(context.package))
     yield Finding(
         "genai_config",

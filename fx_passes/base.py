@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,22 @@ def erase_nodes(program: ExportedProgram, matches: Callable[[Any], bool]) -> int
         graph.lint()
         program.graph_module.recompile()
     return erased
+
+
+def add_parameter(program: ExportedProgram, target: str, tensor: torch.Tensor) -> torch.fx.Node:
+    """Add ``tensor`` to the program as a new weight named ``target``; returns its placeholder."""
+    graph = program.graph
+    first_placeholder = next(n for n in graph.nodes if n.op == "placeholder")
+    with graph.inserting_before(first_placeholder):
+        node = graph.placeholder("p_" + target.replace(".", "_"))
+    node.meta["val"] = torch._guards.detect_fake_mode(
+        [n.meta["val"] for n in graph.nodes if n.op == "placeholder" and "val" in n.meta]
+    ).from_tensor(tensor, static_shapes=True)
+    program.state_dict[target] = torch.nn.Parameter(tensor, requires_grad=False)
+    program.graph_signature.input_specs.insert(
+        0, InputSpec(kind=InputKind.PARAMETER, arg=TensorArgument(name=node.name), target=target, persistent=None)
+    )
+    return node
 
 
 def run_fx_passes(

@@ -69,6 +69,8 @@ def group_query_attention(
     scale: float,
     softcap: float,
     local_window_size: int,
+    cos_cache: torch.Tensor | None = None,
+    sin_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ONNX Runtime's ``com.microsoft.GroupQueryAttention`` (separate past and present buffers),
     with ``seqlens_k`` and ``total_sequence_length`` taken from the attention mask.
@@ -81,7 +83,9 @@ def group_query_attention(
     many as mask columns), where they start at 0 and a right-padded row's trailing queries are
     padding. A query sees the
     real keys at or before its position, the last ``local_window_size`` of them when that is > 0;
-    ``softcap`` > 0 caps scores as ``softcap * tanh(scores / softcap)``.
+    ``softcap`` > 0 caps scores as ``softcap * tanh(scores / softcap)``. With ``cos_cache`` and
+    ``sin_cache`` [max_positions, head / 2], query and new key are first rotated (transformers'
+    ``rotate_half`` form) at their positions, a new key's being its slot in the row's cache.
     Returns the attention output [batch, seq, num_heads * head] and the present key/value
     [batch, kv_num_heads, past + new, head].
     """
@@ -100,12 +104,15 @@ def group_query_attention(
             out[row, :, int(start[row]) : int(start[row]) + new] = new_heads[row]
         return out
 
-    present_key, present_value = present(past_key, key), present(past_value, value)
     slots = torch.arange(past + new)
     if first_prompt:
         positions = torch.arange(seq).expand(batch, seq)
     else:
         positions = real[:, None] - seq + torch.arange(seq)
+    if cos_cache is not None:
+        query = _rotate(query, positions, num_heads, cos_cache, sin_cache)
+        key = _rotate(key, start[:, None] + torch.arange(new), kv_num_heads, cos_cache, sin_cache)
+    present_key, present_value = present(past_key, key), present(past_value, value)
     visible = (slots[None, None, :] <= positions[:, :, None]) & (slots[None, None, :] < real[:, None, None])
     if local_window_size > 0:
         visible &= slots[None, None, :] > positions[:, :, None] - local_window_size
@@ -122,9 +129,21 @@ def group_query_attention(
     return output, present_key, present_value
 
 
+def _rotate(x: torch.Tensor, positions: torch.Tensor, heads: int, cos_cache, sin_cache) -> torch.Tensor:
+    """x [batch, seq, heads * head] rotated at positions [batch, seq]."""
+    batch, seq, _ = x.shape
+    width = x.shape[-1]
+    x = x.view(batch, seq, heads, width // heads)
+    cos = cos_cache[positions.clamp(0, len(cos_cache) - 1)].repeat(1, 1, 2)[:, :, None]  # [batch, seq, 1, head]
+    sin = sin_cache[positions.clamp(0, len(sin_cache) - 1)].repeat(1, 1, 2)[:, :, None]
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + turned * sin).reshape(batch, seq, width)
+
+
 @group_query_attention.register_fake
 def _(query, key, value, past_key, past_value, attention_mask, num_heads, kv_num_heads, scale, softcap,
-      local_window_size):
+      local_window_size, cos_cache=None, sin_cache=None):
     shape = list(past_key.shape)
     shape[2] = past_key.shape[2] + key.shape[1]
     return query.new_empty(query.shape), past_key.new_empty(shape), past_value.new_empty(shape)
@@ -136,7 +155,12 @@ def _contrib_op(name: str, inputs: list[str], outputs: list[str], attributes: di
 
     def parameter(spec: str):
         name, _, type_str = spec.partition(":")
-        return onnx.defs.OpSchema.FormalParameter(name, type_str or "T")
+        optional = name.endswith("?")
+        return onnx.defs.OpSchema.FormalParameter(
+            name.rstrip("?"), type_str or "T",
+            param_option=onnx.defs.OpSchema.FormalParameterOption.Optional if optional
+            else onnx.defs.OpSchema.FormalParameterOption.Single,
+        )
 
     schema = onnx.defs.OpSchema(
         name,
@@ -156,24 +180,27 @@ def _contrib_op(name: str, inputs: list[str], outputs: list[str], attributes: di
 _ATTR = onnx.defs.OpSchema.AttrType
 _GROUP_QUERY_ATTENTION = _contrib_op(
     "GroupQueryAttention",
-    ["query", "key", "value", "past_key", "past_value", "seqlens_k:M", "total_sequence_length:M"],
+    ["query", "key", "value", "past_key", "past_value", "seqlens_k:M", "total_sequence_length:M", "cos_cache?",
+     "sin_cache?"],
     ["output", "present_key", "present_value"],
     {"num_heads": _ATTR.INT, "kv_num_heads": _ATTR.INT, "scale": _ATTR.FLOAT, "softcap": _ATTR.FLOAT,
-     "local_window_size": _ATTR.INT},
+     "local_window_size": _ATTR.INT, "do_rotary": _ATTR.INT, "rotary_interleaved": _ATTR.INT},
 )
 
 
 def _group_query_attention_onnx(query, key, value, past_key, past_value, attention_mask, num_heads: int,
-                                kv_num_heads: int, scale: float, softcap: float, local_window_size: int):
+                                kv_num_heads: int, scale: float, softcap: float, local_window_size: int,
+                                cos_cache=None, sin_cache=None):
     # Identical in every layer: the ONNX common-subexpression pass keeps one copy.
     real = op.ReduceSum(op.Cast(attention_mask, to=INT64.dtype), op.Constant(value_ints=[1]), keepdims=0)
     seqlens_k = op.Cast(op.Sub(real, op.Constant(value_int=1)), to=INT32.dtype)
     total = op.Cast(op.Squeeze(op.Shape(attention_mask, start=1, end=2)), to=INT32.dtype)
+    rotary = {} if cos_cache is None else {"do_rotary": 1, "rotary_interleaved": 0}
     return _GROUP_QUERY_ATTENTION(
-        query, key, value, past_key, past_value, seqlens_k, total,
+        query, key, value, past_key, past_value, seqlens_k, total, cos_cache, sin_cache,
         num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
         local_window_size=local_window_size if local_window_size > 0 else -1,  # ORT: -1 = no window
-        _outputs=3,
+        _outputs=3, **rotary,
     )
 
 

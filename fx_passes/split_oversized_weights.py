@@ -21,7 +21,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
-from fx_passes.base import PassContext
+from fx_passes.base import PassContext, add_parameter
 from fx_passes.graph_facts import PassDidNotApply, set_fake_value
 
 _aten = torch.ops.aten
@@ -101,7 +101,7 @@ class SplitOversizedWeights:
             )
         parts = []
         for index, piece in enumerate(slices):
-            piece_node = self._add_parameter(program, f"{prefix}.part{index}", piece.contiguous())
+            piece_node = add_parameter(program, f"{prefix}.part{index}", piece.contiguous())
             args = list(user.args)
             if user.target is _EMBEDDING:
                 args[0] = piece_node
@@ -116,21 +116,6 @@ class SplitOversizedWeights:
         user.replace_all_uses_with(joined)
         graph.erase_node(user)
         return len(parts)
-
-    @staticmethod
-    def _add_parameter(program: ExportedProgram, target: str, tensor: torch.Tensor) -> torch.fx.Node:
-        graph = program.graph
-        first_placeholder = next(n for n in graph.nodes if n.op == "placeholder")
-        with graph.inserting_before(first_placeholder):
-            node = graph.placeholder("p_" + target.replace(".", "_"))
-        node.meta["val"] = torch._guards.detect_fake_mode(
-            [n.meta["val"] for n in graph.nodes if n.op == "placeholder" and "val" in n.meta]
-        ).from_tensor(tensor, static_shapes=True)
-        program.state_dict[target] = torch.nn.Parameter(tensor, requires_grad=False)
-        program.graph_signature.input_specs.insert(
-            0, InputSpec(kind=InputKind.PARAMETER, arg=TensorArgument(name=node.name), target=target, persistent=None)
-        )
-        return node
 
     @staticmethod
     def _remove_parameter(program: ExportedProgram, placeholder: torch.fx.Node, spec: InputSpec) -> None:

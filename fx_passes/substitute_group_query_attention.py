@@ -30,7 +30,7 @@ from fx_passes.attention_cores import (
     find_attention_cores,
     heads_output,
 )
-from fx_passes.base import PassContext
+from fx_passes.base import PassContext, add_parameter
 from fx_passes.graph_facts import (
     PassDidNotApply,
     same_shape,
@@ -38,6 +38,7 @@ from fx_passes.graph_facts import (
     user_input,
 )
 from fx_passes.mask_probe import causal_window, evaluate_nodes, probe_inputs
+from fx_passes.rotary import Rotary, match_rotary, rotary_caches
 
 _aten = torch.ops.aten
 _GQA = torch.ops.genai_exporter.group_query_attention.default
@@ -58,7 +59,13 @@ class SubstituteGroupQueryAttention:
         graph = program.graph
         attention_mask = user_input(program, "attention_mask")
         presents: dict[Node, Node] = {}  # a cache's concat -> the present of the marker that owns it
-        shared = 0
+        rotary = None
+        if context.profile.attention_rotary:
+            limit = context.profile.max_buffer_size
+            if limit is not None:  # counted at fp32, the caches' widest form
+                limit //= 4
+            rotary = _RotaryCaches(program, layout.context_length, limit)
+        shared = rotated = 0
         for core, window in zip(cores, windows, strict=True):
             key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
             owner = key_cat not in presents
@@ -66,17 +73,26 @@ class SubstituteGroupQueryAttention:
                 raise PassDidNotApply(f"{self.name}: {core.output.name} reads one layer's keys and another's values")
             heads = int(core.query.meta["val"].shape[1])
             kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])
+            query, new_key = core.query, key_cat.args[0][1] if owner else None
+            caches = ()
+            if rotary is not None:
+                query_rotary, key_rotary = _rotary_of(query), _rotary_of(new_key) if owner else None
+                caches = rotary.caches_for(query_rotary, key_rotary, owner)
+                if caches:
+                    query = _unrotated(query, query_rotary)
+                    new_key = _unrotated(new_key, key_rotary) if owner else None
+                    rotated += 1
             with graph.inserting_before(core.output):
-                query = _heads_last(graph, core.query)
+                query = _heads_last(graph, query)
                 if owner:
-                    key, value = _heads_last(graph, key_cat.args[0][1]), _heads_last(graph, value_cat.args[0][1])
+                    key, value = _heads_last(graph, new_key), _heads_last(graph, value_cat.args[0][1])
                     past_key, past_value = key_cat.args[0][0], value_cat.args[0][0]
                 else:
                     key = value = _no_tokens(graph, query, kv_heads * head)
                     past_key, past_value = presents[key_cat], presents[value_cat]
                     shared += 1
                 marker = _call(graph, _GQA, query, key, value, past_key, past_value, attention_mask,
-                               heads, kv_heads, core.scale, core.softcap, window)
+                               heads, kv_heads, core.scale, core.softcap, window, *caches)
                 output, present_key, present_value = (_call(graph, operator.getitem, marker, i) for i in range(3))
             if owner:
                 for concat, present in ((key_cat, present_key), (value_cat, present_value)):
@@ -93,6 +109,7 @@ class SubstituteGroupQueryAttention:
             "kv_shared_layers": shared,
             "sliding_window_layers": sum(1 for w in windows if w),
             "soft_capped_layers": sum(1 for c in cores if c.softcap),
+            "rotary_in_attention_layers": rotated,
             "substituted_layers": [c.layer for c in cores],
         }
 
@@ -103,11 +120,66 @@ def _call(graph: Graph, target, *args) -> Node:
     return node
 
 
-def _heads_last(graph: Graph, node: Node) -> Node:
+class _RotaryCaches:
+    """GroupQueryAttention's cos/sin caches, one pair per distinct rotary table of the model
+    (Gemma 4 has two: sliding and full layers), added to the program as weights."""
+
+    def __init__(self, program: ExportedProgram, max_positions: int, max_elements: int | None):
+        self.program, self.max_positions, self.max_elements = program, max_positions, max_elements
+        self.by_table: dict[tuple[Node, Node], tuple[Node, Node] | None] = {}
+        self.made: list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[Node, Node]]] = []
+
+    def caches_for(self, query: Rotary | None, key: Rotary | None, owner: bool) -> tuple[Node, Node] | tuple[()]:
+        if query is None or (owner and (key is None or (key.cos, key.sin) != (query.cos, query.sin))):
+            return ()
+        table = (query.cos, query.sin)
+        if table not in self.by_table:
+            self.by_table[table] = self._caches(query)
+        return self.by_table[table] or ()
+
+    def _caches(self, rotary: Rotary) -> tuple[Node, Node] | None:
+        tensors = rotary_caches(self.program, rotary, self.max_positions)
+        if tensors is None or (self.max_elements is not None and tensors[0].numel() > self.max_elements):
+            return None  # not rotate_half form, or a cache over the profile's buffer limit
+        for made, nodes in self.made:  # layers often slice the same table separately
+            if all(torch.equal(a, b) for a, b in zip(made, tensors, strict=True)):
+                return nodes
+        nodes = tuple(add_parameter(self.program, f"rotary_{len(self.made)}.{name}_cache", tensor)
+                      for name, tensor in zip(("cos", "sin"), tensors, strict=True))
+        self.made.append((tensors, nodes))
+        return nodes
+
+
+def _is_heads_transpose(node: Node) -> bool:
+    return node.target is _aten.transpose.int and sorted(node.args[1:]) == [1, 2]
+
+
+def _rotary_of(node: Node) -> Rotary | None:
+    """The rotation producing ``node`` [batch, heads, seq, head], applied in that layout or before
+    the transpose to it."""
+    return match_rotary(node.args[0] if _is_heads_transpose(node) else node)
+
+
+def _unrotated(node: Node, rotary: Rotary) -> Node:
+    """``node`` without its rotation, in ``node``'s layout (the transpose is re-applied by
+    ``_heads_last``, which then folds it away)."""
+    if _is_heads_transpose(node):
+        return _Transposed(rotary.unrotated)
+    return rotary.unrotated
+
+
+class _Transposed:
+    """A [batch, seq, heads, head] tensor standing for its transpose to [batch, heads, seq, head]."""
+
+    def __init__(self, source: Node):
+        self.source = source
+
+
+def _heads_last(graph: Graph, node) -> Node:
     """[batch, heads, seq, head] -> [batch, seq, heads * head], reusing the projection output the
     tensor was made from where it is just that one viewed and transposed."""
-    if node.target is _aten.transpose.int and sorted(node.args[1:]) == [1, 2]:
-        source = node.args[0]  # [batch, seq, heads, head]
+    if isinstance(node, _Transposed) or _is_heads_transpose(node):
+        source = node.source if isinstance(node, _Transposed) else node.args[0]  # [batch, seq, heads, head]
         flat = source.args[0] if source.target in (_aten.view.default, _aten.reshape.default) else None
         if flat is not None and same_shape(flat.meta["val"].shape, (*source.meta["val"].shape[:2], _width(source))):
             return flat

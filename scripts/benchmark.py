@@ -194,8 +194,9 @@ def alternating_generation(packages: dict, length: int, decode_tokens: int, repe
 
 
 def benchmark_attention(args) -> None:
-    """GroupQueryAttention (the cpu profile) vs the same profile without it (plain attention,
-    separate past/present buffers), alternating in one run."""
+    """Plain attention (the cpu profile without GroupQueryAttention, separate past/present
+    buffers) vs GroupQueryAttention on rotated q/k vs GroupQueryAttention applying the rotary
+    itself, alternating in one run."""
     import dataclasses
 
     from ep_profiles import get_profile
@@ -203,26 +204,29 @@ def benchmark_attention(args) -> None:
 
     loaded = load(args.model)
     cpu = get_profile("cpu")
-    plain = dataclasses.replace(cpu, name="cpu-plain-attention", past_present_share_buffer=False,
-                                fused_ops=tuple(op for op in cpu.fused_ops if op != "GroupQueryAttention"))
+    variants = {
+        "plain": dataclasses.replace(cpu, name="cpu-plain-attention", past_present_share_buffer=False,
+                                     fused_ops=tuple(op for op in cpu.fused_ops if op != "GroupQueryAttention")),
+        "gqa, rotated q/k": dataclasses.replace(cpu, name="cpu-gqa-rotated-inputs", attention_rotary=False),
+        "gqa + rotary": cpu,
+    }
     length = args.prompt_lengths[-1]
     with tempfile.TemporaryDirectory() as scratch:
         packages = {}
-        for variant, profile in (("plain", plain), ("gqa", cpu)):
+        for index, (variant, profile) in enumerate(variants.items()):
             print(f"exporting with {variant} attention ...", file=sys.stderr, flush=True)
-            packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, output_dir=Path(scratch) / variant)
+            packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, output_dir=Path(scratch) / str(index))
         results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
-        nodes = {v: sum(p.report.op_counts.values()) for v, p in packages.items()}
         print(f"\n## Attention, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, "
               f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)\n")
-        print(f"ONNX nodes: plain {nodes['plain']}, GroupQueryAttention {nodes['gqa']}\n")
-        print("| attention | TTFT ms | decode tokens/s |\n|---|---:|---:|")
-        for variant in ("plain", "gqa"):
-            print(f"| {variant} | {statistics.median(results[variant]['ttft']) * 1000:.0f} | "
-                  f"{statistics.median(results[variant]['decode']):.1f} |")
-        ttft_ratio = statistics.median(results["plain"]["ttft"]) / statistics.median(results["gqa"]["ttft"])
-        decode_ratio = statistics.median(results["gqa"]["decode"]) / statistics.median(results["plain"]["decode"])
-        print(f"| plain/gqa time, gqa/plain rate | {ttft_ratio:.2f}x | {decode_ratio:.2f}x |")
+        print("| attention | ONNX nodes | TTFT ms | decode tokens/s | TTFT vs plain | decode vs plain |\n"
+              "|---|---:|---:|---:|---:|---:|")
+        base_ttft = statistics.median(results["plain"]["ttft"])
+        base_rate = statistics.median(results["plain"]["decode"])
+        for variant, package in packages.items():
+            ttft, rate = statistics.median(results[variant]["ttft"]), statistics.median(results[variant]["decode"])
+            print(f"| {variant} | {sum(package.report.op_counts.values())} | {ttft * 1000:.0f} | {rate:.1f} | "
+                  f"{base_ttft / ttft:.2f}x | {rate / base_rate:.2f}x |")
 
 
 def benchmark_fusions(args) -> None:

@@ -8,9 +8,9 @@ import shutil
 from exporter.cli import main
 
 
-def _broken_copy(preset_exports, tmp_path, edit):
+def _broken_copy(preset_exports, tmp_path, edit, plain_attention=False):
     package = tmp_path / "package"
-    shutil.copytree(preset_exports.get("tiny-llama").package.path, package)
+    shutil.copytree(preset_exports.get("tiny-llama", plain_attention=plain_attention).package.path, package)
     config_path = package / "genai_config.json"
     config = json.loads(config_path.read_text())
     edit(config)
@@ -52,3 +52,13 @@ def test_not_a_package(tmp_path, capsys):
     assert main(["check", str(tmp_path)]) == 1
     assert "is not a package folder" in capsys.readouterr().out
     assert main(["check", str(tmp_path), "--ep", "tpu"]) == 2
+
+
+def test_shared_kv_buffer_without_group_query_attention_fails(preset_exports, tmp_path, capsys):
+    """Plain attention appends to its past; a shared buffer would make it read the whole buffer."""
+    def edit(config):
+        config["search"]["past_present_share_buffer"] = True
+
+    package = _broken_copy(preset_exports, tmp_path, edit, plain_attention=True)
+    assert main(["check", str(package)]) == 1
+    assert "past_present_share_buffer is on but only 0 of 4 layers use GroupQueryAttention" in capsys.readouterr().out

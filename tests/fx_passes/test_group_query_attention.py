@@ -3,6 +3,8 @@ the graph facts it relies on (attention cores, mask probing)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import FAMILIES
@@ -56,14 +58,20 @@ def assert_same_results(inputs, got, want, tolerance=TOLERANCE):
             torch.testing.assert_close(got_kv[row, :, :count], want_kv[row][:, real[row]], rtol=0, atol=tolerance)
 
 
-def _substituted(name, passes=PASSES):
+# Phi-3 applies its rotary to a slice of the head and concatenates the rest (its partial-rotary
+# code path, taken even at factor 1.0): not the rotate_half form, so its q/k arrive rotated.
+ROTATED_OUTSIDE_ATTENTION = {"tiny-phi3"}
+
+
+def _substituted(name, passes=PASSES, attention_rotary=True):
     model, _ = build_preset(name)
     layout = derive_layout(model)
     program, _ = trace(model, layout)
     cases = _cases(layout)
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
-    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    profile = dataclasses.replace(get_profile("cpu"), attention_rotary=attention_rotary)
+    context = PassContext(profile=profile, layout=layout)
     program, records = run_fx_passes(program, [FX_PASSES[n] for n in passes], context)
     return layout, program, cases, before, records[-1].changes
 
@@ -75,6 +83,18 @@ def test_substitution_keeps_results(name):
     targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
     assert targets.count(GQA) == layout.num_layers == changes["layers"]
     assert SDPA not in targets and torch.ops.aten.softmax.int not in targets
+    assert changes["rotary_in_attention_layers"] == (0 if name in ROTATED_OUTSIDE_ATTENTION else layout.num_layers)
+    with torch.no_grad():
+        for inputs, want in zip(cases, before, strict=True):
+            assert_same_results(inputs, program.module()(*inputs), want)
+
+
+@pytest.mark.l2
+def test_substitution_on_rotated_inputs_keeps_results():
+    """Profiles with attention_rotary off pass rotated q/k (the baseline form)."""
+    _, program, cases, before, changes = _substituted("tiny-gemma-4", attention_rotary=False)
+    assert changes["rotary_in_attention_layers"] == 0
+    assert all(len(n.args) == 11 for n in program.graph.nodes if n.target is GQA)  # no cos/sin caches
     with torch.no_grad():
         for inputs, want in zip(cases, before, strict=True):
             assert_same_results(inputs, program.module()(*inputs), want)
@@ -84,14 +104,17 @@ def test_substitution_keeps_results(name):
 def test_substitution_reads_each_model_from_its_graph():
     """Windows, soft-caps and KV sharing come from the graph: Gemma 4 slides in 8 of 10 layers and
     shares 4 caches; gemma2 alternates windows and soft-caps every layer."""
-    *_, gemma4 = _substituted("tiny-gemma-4")
+    _, program, *_, gemma4 = _substituted("tiny-gemma-4")
+    # One cos/sin cache pair per rotary table: sliding layers and (proportional) full layers.
+    assert sorted(k for k in program.state_dict if k.startswith("rotary_")) == [
+        "rotary_0.cos_cache", "rotary_0.sin_cache", "rotary_1.cos_cache", "rotary_1.sin_cache"]
     assert gemma4 == {"layers": 10, "kv_shared_layers": 4, "sliding_window_layers": 8, "soft_capped_layers": 0,
-                      "substituted_layers": list(range(10))}
+                      "rotary_in_attention_layers": 10, "substituted_layers": list(range(10))}
     layout, program, *_, gemma2 = _substituted("tiny-gemma2")
     assert (gemma2["sliding_window_layers"], gemma2["soft_capped_layers"]) == (2, 4)
     markers = [n for n in program.graph.nodes if n.target is GQA]
     window = layout.sliding_window
-    assert [m.args[8:] for m in markers] == [(0.0625, 50.0, window), (0.0625, 50.0, 0)] * 2  # scale, softcap, window
+    assert [m.args[8:11] for m in markers] == [(0.0625, 50.0, window), (0.0625, 50.0, 0)] * 2  # scale, softcap, window
 
 
 @pytest.mark.l2
