@@ -34,7 +34,12 @@ class Rotary:
 
 
 def match_rotary(node: Node) -> Rotary | None:
-    """``node`` as add(mul(x, cos), mul(rotate_half(x), sin)), or None."""
+    """``node`` as add(mul(x, cos), mul(rotate_half(x), sin)), or None. Also accepts the
+    partial-rotary code path at full width (Phi-3): cat([that over x[..., :head], x[..., head:]]),
+    whose second part is empty."""
+    whole = _whole_width_partial_rotary(node)
+    if whole is not None:
+        return whole
     if node.op != "call_function" or node.target is not _aten.add.Tensor:
         return None
     products = node.args
@@ -50,6 +55,23 @@ def match_rotary(node: Node) -> Rotary | None:
             if cos_table is not None and sin_table is not None:
                 return Rotary(x, cos_table, sin_table)
     return None
+
+
+def _whole_width_partial_rotary(node: Node) -> Rotary | None:
+    if node.op != "call_function" or node.target is not _aten.cat.default or len(node.args[0]) != 2:
+        return None
+    rotated, rest = node.args[0]
+    inner = match_rotary(rotated) if isinstance(rotated, Node) else None
+    if inner is None or not isinstance(rest, Node) or rest.meta["val"].shape[-1] != 0:
+        return None
+    source = inner.unrotated.args[0] if inner.unrotated.target in (_aten.alias.default, _aten.slice.Tensor) else None
+    if source is None or rest.target is not _aten.slice.Tensor or rest.args[0] is not source:
+        return None
+    if inner.unrotated.target is _aten.slice.Tensor and tuple(inner.unrotated.args[1:3]) not in ((-1, 0), (_rank(source) - 1, 0)):
+        return None
+    if inner.unrotated.meta["val"].shape[-1] != source.meta["val"].shape[-1]:
+        return None
+    return Rotary(source, inner.cos, inner.sin)
 
 
 def _rotate_half_source(node) -> Node | None:

@@ -58,9 +58,9 @@ def assert_same_results(inputs, got, want, tolerance=TOLERANCE):
             torch.testing.assert_close(got_kv[row, :, :count], want_kv[row][:, real[row]], rtol=0, atol=tolerance)
 
 
-# Phi-3 applies its rotary to a slice of the head and concatenates the rest (its partial-rotary
-# code path, taken even at factor 1.0): not the rotate_half form, so its q/k arrive rotated.
-ROTATED_OUTSIDE_ATTENTION = {"tiny-phi3"}
+# Families whose rotary GroupQueryAttention cannot take over (none today: Phi-3's partial-rotary
+# code path at full width is matched too).
+ROTATED_OUTSIDE_ATTENTION: set[str] = set()
 
 
 def _substituted(name, passes=PASSES, attention_rotary=True):
