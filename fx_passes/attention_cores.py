@@ -21,7 +21,7 @@ from fx_passes.graph_facts import PassDidNotApply, layer_index, same_shape
 
 _aten = torch.ops.aten
 _SDPA = _aten.scaled_dot_product_attention.default
-# Ops that only move or repeat elements (repeat_kv, contiguous copies, dtype no-ops in fp32).
+# Ops that only move or repeat elements (repeat_kv's slices, unsqueeze, expand and reshape; copies).
 _LAYOUT_OPS = {
     _aten.slice.Tensor, _aten.unsqueeze.default, _aten.expand.default, _aten.reshape.default,
     _aten.view.default, _aten.clone.default, _aten.contiguous.default, _aten._unsafe_view.default,
@@ -109,8 +109,10 @@ def _eager_core(scores: Node) -> AttentionCore:
     if sorted(d % 4 for d in key_t.args[1:]) != [2, 3]:
         raise PassDidNotApply(f"{key_t.name}: keys transposed over axes {key_t.args[1:]}")
     nodes, steps = [scores, key_t], []
-    current = next(iter(scores.users))
+    previous, current = scores, next(iter(scores.users))
     while current.target not in (_aten.softmax.int, _aten._softmax.default):
+        if current.args[0] is not previous:
+            raise PassDidNotApply(f"{current.name}: attention scores enter {current.target} as a later operand")
         constant = _scalar(current) if current.target in (_aten.mul.Tensor, _aten.div.Tensor) else None
         if constant is not None:
             steps.append(("*" if current.target is _aten.mul.Tensor else "/", constant))
@@ -122,7 +124,9 @@ def _eager_core(scores: Node) -> AttentionCore:
             raise PassDidNotApply(f"{scores.name}: attention scores pass through {current.target}, "
                                   "which GroupQueryAttention cannot express")
         nodes.append(current)
-        current = next(iter(current.users))
+        previous, current = current, next(iter(current.users))
+    if current.args[0] is not previous:
+        raise PassDidNotApply(f"{current.name}: the softmax does not read the attention scores")
     softmax = current
     if softmax.args[1] not in (-1, 3):
         raise PassDidNotApply(f"{softmax.name}: softmax over axis {softmax.args[1]}, not the keys")
@@ -143,8 +147,10 @@ def _eager_core(scores: Node) -> AttentionCore:
     while True:
         if len(current.users) != 1:
             raise PassDidNotApply(f"{current.name}: attention weights have {len(current.users)} users")
-        current = next(iter(current.users))
+        previous, current = current, next(iter(current.users))
         if current.target is _aten.matmul.default:
+            if current.args[0] is not previous:
+                raise PassDidNotApply(f"{current.name}: the value matmul does not take the attention weights first")
             break
         inert = current.target in _PASS_THROUGH and not (
             current.target is _aten.dropout.default and current.args[1] and current.args[2])
@@ -167,6 +173,8 @@ def cache_concat(node: Node) -> Node:
             break
         if current.target not in _LAYOUT_OPS:
             break
+        if current.target is _aten.unsqueeze.default and current.args[1] not in (2, -3):
+            break  # repeat_kv inserts the repeat axis after the KV heads: head h reads KV head h // groups
         current = current.args[0]
     raise PassDidNotApply(f"{node.name}: walked back to {current.name} ({current.target}) without finding the "
                           "concatenation of a past KV input with new keys/values")

@@ -86,7 +86,9 @@ def group_query_attention(
     ``softcap`` > 0 caps scores as ``softcap * tanh(scores / softcap)``. With ``cos_cache`` and
     ``sin_cache`` [max_positions, head / 2], query and new key are first rotated (transformers'
     ``rotate_half`` form) at their positions, a new key's being its slot in the row's cache.
-    Returns the attention output [batch, seq, num_heads * head] and the present key/value
+    ONNX Runtime rejects batch > 1 with several new tokens after a past (GenAI never sends it);
+    this kernel computes it anyway, for tests. Returns the attention output
+    [batch, seq, num_heads * head] and the present key/value
     [batch, kv_num_heads, past + new, head].
     """
     batch, seq, _ = query.shape
@@ -124,7 +126,7 @@ def group_query_attention(
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padded query sees nothing
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key gets 0
     output = (weights @ v).transpose(1, 2).reshape(batch, seq, num_heads * head)
     return output, present_key, present_value
 

@@ -38,8 +38,9 @@ def evaluate_nodes(program: ExportedProgram, targets: list[Node], user_inputs: d
     return [values[t] for t in targets]
 
 
-def probe_inputs(program: ExportedProgram, length: int) -> dict[str, torch.Tensor]:
-    """One unpadded sequence of ``length`` tokens with an empty past."""
+def probe_inputs(program: ExportedProgram, length: int, past: int = 0) -> dict[str, torch.Tensor]:
+    """One unpadded sequence of ``length`` new tokens after ``past`` cached ones. Past K/V are
+    zero-stride views: only their shapes are read by mask and rotary subgraphs."""
     inputs = {}
     for spec in program.graph_signature.input_specs:
         if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
@@ -47,25 +48,38 @@ def probe_inputs(program: ExportedProgram, length: int) -> dict[str, torch.Tenso
         node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
         value = node.meta["val"]
         if node.name == "attention_mask":
-            inputs[node.name] = torch.ones(1, length, dtype=value.dtype)
+            inputs[node.name] = torch.ones(1, past + length, dtype=value.dtype)
         elif node.name == "position_ids":
-            inputs[node.name] = torch.arange(length, dtype=value.dtype)[None]
+            inputs[node.name] = torch.arange(past, past + length, dtype=value.dtype)[None]
         elif node.name == "input_ids":
             inputs[node.name] = torch.zeros(1, length, dtype=value.dtype)
         else:  # a past KV input: [batch, heads, past, head]
-            inputs[node.name] = torch.zeros(1, int(value.shape[1]), 0, int(value.shape[3]), dtype=value.dtype)
+            shape = (1, int(value.shape[1]), past, int(value.shape[3]))
+            inputs[node.name] = torch.zeros(1, dtype=value.dtype).expand(shape)
     return inputs
+
+
+def allowed_keys(mask: torch.Tensor, name: str) -> torch.Tensor:
+    """[queries, keys] booleans of a boolean mask (True = attend) or an additive one, whose entries
+    must each be 0 (attend) or a large negative number (blocked); anything else is a bias, which
+    GroupQueryAttention cannot express."""
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask == 0
+        if not bool((allowed | (mask <= -1e4)).all()):
+            raise PassDidNotApply(f"mask {name} adds a bias to the scores, not just 0 or -inf")
+    return allowed.reshape(-1, *allowed.shape[-2:])[0]
 
 
 def causal_window(mask: torch.Tensor, name: str) -> int:
     """0 for a causal mask, W for a causal mask limited to the last W keys; anything else is an
-    error. ``mask`` is [..., queries, keys], boolean (True = attend) or additive (0 = attend)."""
-    allowed = mask if mask.dtype == torch.bool else mask == 0
-    allowed = allowed.reshape(-1, *allowed.shape[-2:])
-    queries, keys = allowed.shape[-2:]
+    error. ``mask`` is [..., queries, keys] for a prompt with no past."""
+    allowed = allowed_keys(mask, name)
+    queries, keys = allowed.shape
     if queries != keys:
         raise PassDidNotApply(f"mask {name} of the probe is {tuple(mask.shape)}; expected square")
-    seen = int(allowed[0, -1].sum())
+    seen = int(allowed[-1].sum())
     window = 0 if seen == keys else seen
     position = torch.arange(keys)
     expected = position[None, :] <= position[:, None]
@@ -77,3 +91,16 @@ def causal_window(mask: torch.Tensor, name: str) -> int:
             f"{keys} keys); GroupQueryAttention cannot build it"
         )
     return window
+
+
+def decode_step_agrees(mask: torch.Tensor, window: int, name: str) -> None:
+    """The mask of one query at the end of the context must see all keys, or the last ``window``:
+    this catches windows and chunks wider than the prompt probe."""
+    row = allowed_keys(mask, name)[-1]
+    keys = row.shape[0]
+    expected = torch.arange(keys) >= (keys - window if window else 0)
+    if not bool((row == expected).all()):
+        raise PassDidNotApply(
+            f"mask {name} at the end of the context lets its query see {int(row.sum())} of {keys} keys, "
+            f"not {window or keys}: a window or chunking the prompt probe did not show"
+        )

@@ -37,7 +37,12 @@ from fx_passes.graph_facts import (
     set_fake_value,
     user_input,
 )
-from fx_passes.mask_probe import causal_window, evaluate_nodes, probe_inputs
+from fx_passes.mask_probe import (
+    causal_window,
+    decode_step_agrees,
+    evaluate_nodes,
+    probe_inputs,
+)
 from fx_passes.rotary import Rotary, match_rotary, rotary_caches
 
 _aten = torch.ops.aten
@@ -73,6 +78,9 @@ class SubstituteGroupQueryAttention:
                 raise PassDidNotApply(f"{self.name}: {core.output.name} reads one layer's keys and another's values")
             heads = int(core.query.meta["val"].shape[1])
             kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])
+            if heads % kv_heads or int(value_cat.meta["val"].shape[3]) != head:
+                raise PassDidNotApply(f"{self.name}: {core.output.name} has {heads} query heads over {kv_heads} KV "
+                                      "heads or value and key head sizes differ")
             query, new_key = core.query, key_cat.args[0][1] if owner else None
             caches = ()
             if rotary is not None:
@@ -132,6 +140,8 @@ class _RotaryCaches:
     def caches_for(self, query: Rotary | None, key: Rotary | None, owner: bool) -> tuple[Node, Node] | tuple[()]:
         if query is None or (owner and (key is None or (key.cos, key.sin) != (query.cos, query.sin))):
             return ()
+        if int(query.unrotated.meta["val"].shape[-1]) % 16:
+            return ()  # ONNX Runtime 1.32 rotates only head sizes that are multiples of 16
         table = (query.cos, query.sin)
         if table not in self.by_table:
             self.by_table[table] = self._caches(query)
@@ -216,13 +226,20 @@ def _replace_output(graph: Graph, core: AttentionCore, output: Node) -> None:
 
 
 def _windows(program: ExportedProgram, cores: list[AttentionCore], layout) -> list[int]:
-    """Each core's sliding window (0: none), read off its mask on a probe longer than any window
-    the config declares (capped at the context length: a longer window never takes effect)."""
+    """Each core's sliding window (0: none), read off its mask on a prompt longer than the window
+    the config declares (a window of at least the context length never takes effect), then
+    checked on one decode step at the end of the context (a wider window or chunking shows there)."""
     masks = list(dict.fromkeys(c.mask for c in cores if c.mask is not None))
     for core in cores:
         if core.mask is None and not core.is_causal:
             raise PassDidNotApply(f"{core.output.name}: attention without a mask is not causal")
-    length = min(2 * (layout.sliding_window or 8) + 1, layout.context_length + 1)
-    values = evaluate_nodes(program, masks, probe_inputs(program, length)) if masks else []
-    window_of = {mask: causal_window(value, mask.name) for mask, value in zip(masks, values, strict=True)}
+    if not masks:
+        return [0] * len(cores)
+    context = layout.context_length
+    declared = layout.sliding_window if layout.sliding_window and layout.sliding_window < context else 8
+    prompt = evaluate_nodes(program, masks, probe_inputs(program, min(2 * declared + 1, context)))
+    window_of = {mask: causal_window(value, mask.name) for mask, value in zip(masks, prompt, strict=True)}
+    last_step = evaluate_nodes(program, masks, probe_inputs(program, 1, past=context - 1))
+    for mask, value in zip(masks, last_step, strict=True):
+        decode_step_agrees(value, window_of[mask], mask.name)
     return [window_of[c.mask] if c.mask is not None else 0 for c in cores]

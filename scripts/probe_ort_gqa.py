@@ -4,7 +4,8 @@ exporter plans to rely on (maintenance script, not a test; run it after upgradin
     python scripts/probe_ort_gqa.py
 
 Semantics probed (com.microsoft.GroupQueryAttention, separate past/present buffers):
-- seqlens_k[b] = (real tokens of row b so far) - 1, total_sequence_length = max over rows + 1;
+- seqlens_k[b] = (real tokens of row b so far) - 1, total_sequence_length = the mask's width (the
+  exporter's lowering; equal to the longest row + 1 here, as in GenAI's batches, where one row is unpadded);
   new K/V of row b are written right after its own past (right padding leaves no hole);
 - a first prompt (as many queries as total_sequence_length, so also a KV-shared layer's whole
   prompt) of a right-padded batch: query i sits at position i; row b's real tokens are its first

@@ -15,7 +15,7 @@ from exporter.presets import build_preset
 from exporter.trace import make_inputs, trace
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
-from fx_passes.mask_probe import causal_window
+from fx_passes.mask_probe import causal_window, decode_step_agrees
 
 GQA = torch.ops.genai_exporter.group_query_attention.default
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -138,6 +138,13 @@ def test_mask_probe_reads_causal_and_sliding_masks():
     assert causal_window(additive[None, None], "m") == 0
     with pytest.raises(PassDidNotApply, match="neither causal nor a causal sliding window"):
         causal_window(torch.ones(10, 10, dtype=torch.bool), "bidirectional")
+    with pytest.raises(PassDidNotApply, match="adds a bias"):  # e.g. ALiBi: 0 on the diagonal only
+        causal_window(-(positions[:, None] - positions[None, :]).abs().float()[None, None], "alibi")
+    # A window wider than the prompt probe shows on a decode step at the end of the context.
+    last_step = torch.arange(100)[None, :] >= 100 - 40
+    decode_step_agrees(last_step, 40, "m")
+    with pytest.raises(PassDidNotApply, match="query see 40 of 100 keys, not 100"):
+        decode_step_agrees(last_step, 0, "m")
 
 
 @pytest.mark.l1
@@ -154,3 +161,19 @@ def test_substitution_refuses_attention_it_cannot_express():
     context = PassContext(profile=get_profile("cpu"), layout=layout)
     with pytest.raises(PassDidNotApply, match="attention scores pass through aten.sub.Tensor"):
         FX_PASSES["substitute_group_query_attention"](program, context)
+
+
+@pytest.mark.l1
+def test_rotary_stays_outside_attention_for_head_sizes_ort_cannot_rotate():
+    """ONNX Runtime 1.32's GroupQueryAttention rotates only head sizes that are multiples of 16."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    model = transformers.LlamaForCausalLM(config).eval()
+    layout = derive_layout(model)
+    program, _ = trace(model, layout)
+    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    program, records = run_fx_passes(program, [FX_PASSES[n] for n in PASSES], context)
+    assert records[-1].changes["layers"] == 2
+    assert records[-1].changes["rotary_in_attention_layers"] == 0
