@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -41,3 +42,13 @@ class EpProfile:
     @property
     def default_precision(self) -> str:
         return self.precisions[0]
+
+    def with_plain_attention(self) -> EpProfile:
+        """This profile without GroupQueryAttention: transformers' MatMul/Softmax attention, with
+        separate past and present KV buffers (for EPs without the op, and for comparisons)."""
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}-plain-attention",
+            fused_ops=tuple(op for op in self.fused_ops if op != "GroupQueryAttention"),
+            past_present_share_buffer=False,
+        )

@@ -1,5 +1,6 @@
 """What passes read off a torch.export program: its user inputs and outputs, the symbolic
-sequence length, dataflow ancestry, and which decoder layer a node belongs to."""
+sequence length, dataflow ancestry, which decoder layer a node belongs to, and the values of a
+subgraph run on concrete probe inputs."""
 
 from __future__ import annotations
 
@@ -90,3 +91,46 @@ def set_fake_value(node: Node) -> None:
         node.meta["val"] = node.target(
             *torch.fx.node.map_aggregate(node.args, fake), **torch.fx.node.map_aggregate(node.kwargs, fake)
         )
+
+
+def evaluate_nodes(program: ExportedProgram, targets: list[Node], user_inputs: dict[str, torch.Tensor]) -> list:
+    """Run only the ancestors of ``targets`` on concrete inputs (weights from the program)."""
+    signature = program.graph_signature
+    weights = {}
+    for placeholder, name in {**signature.inputs_to_parameters, **signature.inputs_to_buffers}.items():
+        weights[placeholder] = program.state_dict[name] if name in program.state_dict else program.constants[name]
+    for placeholder, name in signature.inputs_to_lifted_tensor_constants.items():
+        weights[placeholder] = program.constants[name]
+    needed = ancestors(targets)
+    values: dict[Node, object] = {}
+    for node in program.graph.nodes:
+        if node not in needed:
+            continue
+        if node.op == "placeholder":
+            values[node] = weights[node.name] if node.name in weights else user_inputs[node.name]
+        elif node.op == "call_function":
+            args = torch.fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
+            values[node] = node.target(*args, **kwargs)
+    return [values[t] for t in targets]
+
+
+def probe_inputs(program: ExportedProgram, length: int, past: int = 0) -> dict[str, torch.Tensor]:
+    """One unpadded sequence of ``length`` new tokens after ``past`` cached ones. Past K/V are
+    zero-stride views: only their shapes are read by mask and rotary subgraphs."""
+    inputs = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
+            continue
+        node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
+        value = node.meta["val"]
+        if node.name == "attention_mask":
+            inputs[node.name] = torch.ones(1, past + length, dtype=value.dtype)
+        elif node.name == "position_ids":
+            inputs[node.name] = torch.arange(past, past + length, dtype=value.dtype)[None]
+        elif node.name == "input_ids":
+            inputs[node.name] = torch.zeros(1, length, dtype=value.dtype)
+        else:  # a past KV input: [batch, heads, past, head]
+            shape = (1, int(value.shape[1]), past, int(value.shape[3]))
+            inputs[node.name] = torch.zeros(1, dtype=value.dtype).expand(shape)
+    return inputs

@@ -33,16 +33,13 @@ from fx_passes.attention_cores import (
 from fx_passes.base import PassContext, add_parameter
 from fx_passes.graph_facts import (
     PassDidNotApply,
+    evaluate_nodes,
+    probe_inputs,
     same_shape,
     set_fake_value,
     user_input,
 )
-from fx_passes.mask_probe import (
-    causal_window,
-    decode_step_agrees,
-    evaluate_nodes,
-    probe_inputs,
-)
+from fx_passes.mask_probe import causal_window, decode_step_agrees
 from fx_passes.rotary import Rotary, match_rotary, rotary_caches
 
 _aten = torch.ops.aten
@@ -81,19 +78,21 @@ class SubstituteGroupQueryAttention:
             if heads % kv_heads or int(value_cat.meta["val"].shape[3]) != head:
                 raise PassDidNotApply(f"{self.name}: {core.output.name} has {heads} query heads over {kv_heads} KV "
                                       "heads or value and key head sizes differ")
-            query, new_key = core.query, key_cat.args[0][1] if owner else None
+            new_key = key_cat.args[0][1] if owner else None
+            query_rotary = key_rotary = None
             caches = ()
             if rotary is not None:
-                query_rotary, key_rotary = _rotary_of(query), _rotary_of(new_key) if owner else None
+                query_rotary, key_rotary = _rotary_of(core.query), _rotary_of(new_key) if owner else None
                 caches = rotary.caches_for(query_rotary, key_rotary, owner)
                 if caches:
-                    query = _unrotated(query, query_rotary)
-                    new_key = _unrotated(new_key, key_rotary) if owner else None
                     rotated += 1
+                else:
+                    query_rotary = key_rotary = None
             with graph.inserting_before(core.output):
-                query = _heads_last(graph, query)
+                query = _heads_last(graph, core.query, query_rotary)
                 if owner:
-                    key, value = _heads_last(graph, new_key), _heads_last(graph, value_cat.args[0][1])
+                    key = _heads_last(graph, new_key, key_rotary)
+                    value = _heads_last(graph, value_cat.args[0][1])
                     past_key, past_value = key_cat.args[0][0], value_cat.args[0][0]
                 else:
                     key = value = _no_tokens(graph, query, kv_heads * head)
@@ -170,31 +169,18 @@ def _rotary_of(node: Node) -> Rotary | None:
     return match_rotary(node.args[0] if _is_heads_transpose(node) else node)
 
 
-def _unrotated(node: Node, rotary: Rotary) -> Node:
-    """``node`` without its rotation, in ``node``'s layout (the transpose is re-applied by
-    ``_heads_last``, which then folds it away)."""
+def _heads_last(graph: Graph, node: Node, rotary: Rotary | None = None) -> Node:
+    """``node`` [batch, heads, seq, head] as [batch, seq, heads * head], taken from before its
+    rotation when ``rotary`` is given, and from the projection output it was viewed and
+    transposed from where there is one."""
     if _is_heads_transpose(node):
-        return _Transposed(rotary.unrotated)
-    return rotary.unrotated
-
-
-class _Transposed:
-    """A [batch, seq, heads, head] tensor standing for its transpose to [batch, heads, seq, head]."""
-
-    def __init__(self, source: Node):
-        self.source = source
-
-
-def _heads_last(graph: Graph, node) -> Node:
-    """[batch, heads, seq, head] -> [batch, seq, heads * head], reusing the projection output the
-    tensor was made from where it is just that one viewed and transposed."""
-    if isinstance(node, _Transposed) or _is_heads_transpose(node):
-        source = node.source if isinstance(node, _Transposed) else node.args[0]  # [batch, seq, heads, head]
+        source = rotary.unrotated if rotary else node.args[0]  # [batch, seq, heads, head]
         flat = source.args[0] if source.target in (_aten.view.default, _aten.reshape.default) else None
         if flat is not None and same_shape(flat.meta["val"].shape, (*source.meta["val"].shape[:2], _width(source))):
             return flat
         return _call(graph, _aten.flatten.using_ints, source, 2, 3)
-    return _call(graph, _aten.flatten.using_ints, _call(graph, _aten.transpose.int, node, 1, 2), 2, 3)
+    source = rotary.unrotated if rotary else node
+    return _call(graph, _aten.flatten.using_ints, _call(graph, _aten.transpose.int, source, 1, 2), 2, 3)
 
 
 def _width(node: Node) -> int:

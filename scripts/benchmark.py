@@ -205,8 +205,7 @@ def benchmark_attention(args) -> None:
     loaded = load(args.model)
     cpu = get_profile("cpu")
     variants = {
-        "plain": dataclasses.replace(cpu, name="cpu-plain-attention", past_present_share_buffer=False,
-                                     fused_ops=tuple(op for op in cpu.fused_ops if op != "GroupQueryAttention")),
+        "plain": cpu.with_plain_attention(),
         "gqa, rotated q/k": dataclasses.replace(cpu, name="cpu-gqa-rotated-inputs", attention_rotary=False),
         "gqa + rotary": cpu,
     }

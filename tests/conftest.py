@@ -3,7 +3,6 @@ reads its package (exports cost 5-20 s each on 2 cores)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +18,7 @@ from exporter.presets import build_preset
 
 # The CPU profile without GroupQueryAttention: transformers' own attention (MatMul/Softmax), the
 # form a profile that cannot run GroupQueryAttention exports.
-PLAIN_ATTENTION_CPU = dataclasses.replace(
-    get_profile("cpu"),
-    fused_ops=tuple(op for op in get_profile("cpu").fused_ops if op != "GroupQueryAttention"),
-    past_present_share_buffer=False,
-)
+PLAIN_ATTENTION_CPU = get_profile("cpu").with_plain_attention()
 
 # Every decoder family the suite covers, as built-in presets (all random weights, offline).
 FAMILIES = [
