@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+# How a profile's sliding-window layers get their window (``EpProfile.sliding_window``).
+WINDOW_BY_ATTRIBUTE = "local_window_size"  # GroupQueryAttention's own attribute
+WINDOW_BY_MASK = "explicit_mask"  # attention over the whole KV buffer with a window mask built in the graph
+
 
 @dataclass(frozen=True)
 class EpProfile:
@@ -14,17 +18,31 @@ class EpProfile:
     genai_provider: the provider name genai_config.json uses in ``provider_options``; empty for
         the default CPU provider, which genai_config expresses as an empty list.
     ort_provider: the ONNX Runtime provider name a plain InferenceSession uses.
-    precisions: precisions a package for this EP can be exported at; the first is the default.
+    ort_plugin: the Python package that ships the provider as an ONNX Runtime plugin library
+        (registered with ``register_execution_provider_library``); empty when onnxruntime has it built in.
+    precisions: precisions the EP runs, the preferred first.
     provider_options: options written under the provider in genai_config.json.
     fx_passes: names of FX passes (see ``fx_passes.registry``) to run, in order.
     fused_ops: ONNX Runtime contrib ops the graph is fused into: "GroupQueryAttention" replaces
         every layer's attention (an FX pass); the norms are ONNX fusions (``exporter.onnx_fusions``).
         A profile without "GroupQueryAttention" keeps the plain MatMul/Softmax attention.
+    fused_op_precisions: for a fused op the EP runs at some precisions only, those precisions
+        (CUDA's GroupQueryAttention has no fp32 kernel); ops not named run at every precision.
     attention_rotary: whether GroupQueryAttention also applies the rotary embedding (``do_rotary``
         with cos/sin caches) where the model's rotary has transformers' rotate_half form.
+    sliding_window: how sliding-window layers get their window: ``WINDOW_BY_ATTRIBUTE``
+        (GroupQueryAttention's ``local_window_size``) or ``WINDOW_BY_MASK`` (for an EP whose
+        GroupQueryAttention ignores that attribute in some calls: attention over the KV buffer with a
+        window mask the graph builds itself).
     max_buffer_size: the largest single weight the EP can hold, in bytes; None means no limit.
     past_present_share_buffer: whether generation shares one KV buffer between past and present
         (written to genai_config only when every layer's attention is GroupQueryAttention).
+    graph_capture_option: the provider option that turns on graph capture (CUDA graphs, WebGPU's
+        command recording), empty if the EP has none.
+    graph_capture: whether packages for this profile capture the decoder's graph. A captured graph
+        must run every node on the EP, with no shape computed on the CPU, at batch size 1; the
+        export fails if it cannot make the graph so.
+    max_length: a cap on genai_config's context_length / max_length, None for the model's own.
     """
 
     name: str
@@ -32,16 +50,39 @@ class EpProfile:
     ort_provider: str
     precisions: tuple[str, ...]
     description: str
+    ort_plugin: str = ""
     provider_options: dict[str, str] = field(default_factory=dict)
     fx_passes: tuple[str, ...] = ()
     fused_ops: tuple[str, ...] = ()
+    fused_op_precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)
     attention_rotary: bool = True
+    sliding_window: str = WINDOW_BY_ATTRIBUTE
     max_buffer_size: int | None = None
     past_present_share_buffer: bool = False
+    graph_capture_option: str = ""
+    graph_capture: bool = False
+    max_length: int | None = None
+
+    def __post_init__(self):
+        if self.sliding_window not in (WINDOW_BY_ATTRIBUTE, WINDOW_BY_MASK):
+            raise ValueError(f"profile {self.name}: unknown sliding_window '{self.sliding_window}'")
+        if self.graph_capture and not self.graph_capture_option:
+            raise ValueError(f"profile {self.name}: graph_capture needs a graph_capture_option")
 
     @property
     def default_precision(self) -> str:
         return self.precisions[0]
+
+    def fused_ops_at(self, precision: str) -> tuple[str, ...]:
+        """The fused ops the EP runs at ``precision``."""
+        return tuple(op for op in self.fused_ops if precision in self.fused_op_precisions.get(op, (precision,)))
+
+    def genai_provider_options(self) -> dict[str, str]:
+        """The provider's options for genai_config.json, graph capture included."""
+        options = dict(self.provider_options)
+        if self.graph_capture_option:
+            options[self.graph_capture_option] = "1" if self.graph_capture else "0"
+        return options
 
     def with_plain_attention(self) -> EpProfile:
         """This profile without GroupQueryAttention: transformers' MatMul/Softmax attention, with
@@ -51,4 +92,11 @@ class EpProfile:
             name=f"{self.name}-plain-attention",
             fused_ops=tuple(op for op in self.fused_ops if op != "GroupQueryAttention"),
             past_present_share_buffer=False,
+            graph_capture=False,
         )
+
+    def without_graph_capture(self) -> EpProfile:
+        """This profile with graph capture off (the graph may then keep shape work on the CPU)."""
+        if not self.graph_capture:
+            return self
+        return dataclasses.replace(self, name=f"{self.name}-no-graph-capture", graph_capture=False)

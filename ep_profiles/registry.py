@@ -1,25 +1,86 @@
-"""The profiles the exporter can target today, and those still planned."""
+"""The profiles the exporter targets: one record per ONNX Runtime execution provider.
+
+Facts behind the values: ONNX Runtime 1.32's contrib-op kernels per EP (CUDA's and TensorRT-RTX's
+GroupQueryAttention run fp16/bf16 only), ONNX Runtime GenAI 0.18's provider names and graph-capture
+options (its model builder writes the same ones), and WebGPU's default maxBufferSize of 256 MiB.
+"""
 
 from __future__ import annotations
 
-from ep_profiles.profile import EpProfile
+from ep_profiles.profile import WINDOW_BY_MASK, EpProfile
+
+_CLEANUP = ("drop_runtime_asserts", "drop_noop_casts")
+_NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+_GQA = "GroupQueryAttention"
 
 CPU = EpProfile(
     name="cpu",
     genai_provider="",
     ort_provider="CPUExecutionProvider",
-    precisions=("fp32",),
+    precisions=("fp32", "int4"),
     description="ONNX Runtime's default CPU provider",
-    fx_passes=("drop_runtime_asserts", "drop_noop_casts"),
-    fused_ops=("GroupQueryAttention", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
+    fx_passes=_CLEANUP,
+    fused_ops=(_GQA, *_NORMS),
     past_present_share_buffer=True,
 )
 
-PROFILES: dict[str, EpProfile] = {p.name: p for p in (CPU,)}
+CUDA = EpProfile(
+    name="cuda",
+    genai_provider="cuda",
+    ort_provider="CUDAExecutionProvider",
+    precisions=("fp16", "bf16", "fp32", "int4"),
+    description="NVIDIA GPUs through CUDA",
+    fx_passes=_CLEANUP,
+    fused_ops=(_GQA, *_NORMS),
+    fused_op_precisions={_GQA: ("fp16", "bf16", "int4")},
+    past_present_share_buffer=True,
+    graph_capture_option="enable_cuda_graph",
+)
 
-# Accepted names whose profiles have not landed yet: asking for one gets a clear "not yet"
-# rather than an "unknown EP", so users know the name is right.
-PLANNED_EPS: tuple[str, ...] = ("cuda", "dml", "webgpu", "trt-rtx")
+DML = EpProfile(
+    name="dml",
+    genai_provider="dml",
+    ort_provider="DmlExecutionProvider",
+    precisions=("fp16", "fp32", "int4"),
+    description="DirectML on Windows GPUs",
+    fx_passes=_CLEANUP,
+    fused_ops=(_GQA, *_NORMS),
+    past_present_share_buffer=True,
+    graph_capture_option="enable_graph_capture",
+)
+
+WEBGPU = EpProfile(
+    name="webgpu",
+    genai_provider="webgpu",
+    ort_provider="WebGpuExecutionProvider",
+    ort_plugin="onnxruntime_ep_webgpu",
+    precisions=("fp16", "fp32", "int4"),
+    description="WebGPU (Dawn: Vulkan, Metal, D3D12), with graph capture",
+    fx_passes=_CLEANUP,
+    fused_ops=(_GQA, *_NORMS),
+    # onnxruntime-ep-webgpu 0.4.0's GroupQueryAttention ignores local_window_size for KV-shared
+    # calls, and for every call under graph capture (../shared/repro/webgpu_gqa_window.py).
+    sliding_window=WINDOW_BY_MASK,
+    max_buffer_size=256 * 2**20,
+    past_present_share_buffer=True,
+    graph_capture_option="enableGraphCapture",
+    graph_capture=True,
+)
+
+TRT_RTX = EpProfile(
+    name="trt-rtx",
+    genai_provider="NvTensorRtRtx",
+    ort_provider="NvTensorRTRTXExecutionProvider",
+    precisions=("fp16", "bf16", "fp32", "int4"),
+    description="NVIDIA RTX GPUs through TensorRT-RTX",
+    fx_passes=_CLEANUP,
+    fused_ops=(_GQA, *_NORMS),
+    fused_op_precisions={_GQA: ("fp16", "bf16", "int4")},
+    past_present_share_buffer=True,
+    graph_capture_option="enable_cuda_graph",
+)
+
+PROFILES: dict[str, EpProfile] = {p.name: p for p in (CPU, CUDA, DML, WEBGPU, TRT_RTX)}
 
 
 class UnknownProfileError(ValueError):
@@ -29,9 +90,4 @@ class UnknownProfileError(ValueError):
 def get_profile(name: str) -> EpProfile:
     if name in PROFILES:
         return PROFILES[name]
-    available = ", ".join(PROFILES)
-    if name in PLANNED_EPS:
-        raise UnknownProfileError(
-            f"EP '{name}' is not supported yet (planned); use one of: {available}"
-        )
-    raise UnknownProfileError(f"unknown EP '{name}'; use one of: {available}")
+    raise UnknownProfileError(f"unknown EP '{name}'; use one of: {', '.join(PROFILES)}")

@@ -4,8 +4,11 @@ Each check yields a Finding (passed or failed, with a one-line detail). The CLI 
 non-zero if any failed; ``--json`` prints them as JSON for CI scripts. Checks: the files exist and
 load, opset domains are ones ONNX Runtime runs, the largest initializer fits the profile's buffer
 limit, genai_config.json agrees with the graph (I/O names, KV layers, head dims, vocabulary) and
-loads in ONNX Runtime GenAI, an ONNX Runtime session with the profile's provider accepts every node,
-and a short greedy generation runs.
+loads in ONNX Runtime GenAI, an ONNX Runtime session with the profile's provider and the package's
+provider options (graph capture included) places every node (on the EP, or the CPU where the
+profile allows), and a short greedy generation runs on the CPU and, where the EP is installed,
+gives the same tokens on the EP. Checks that need an EP this machine lacks are reported as
+skipped.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Finding:
     check: str
     passed: bool
     detail: str
+    skipped: bool = False  # could not run here (the EP is not installed); not a failure
 
 
 class _Context:
@@ -125,12 +129,18 @@ def _check_genai_config(context: _Context) -> Iterator[Finding]:
         problems.append(f"logits width {logits_dims[-1].dim_value} != vocab_size {model['vocab_size']}")
     if context.config["search"]["max_length"] > model["context_length"]:
         problems.append("search.max_length exceeds context_length")
-    attention_ops = sum(n.op_type == "GroupQueryAttention" for n in context.graph.graph.node)
-    if context.config["search"].get("past_present_share_buffer") and attention_ops != decoder["num_hidden_layers"]:
+    producers = {out: node.op_type for node in context.graph.graph.node for out in node.output}
+    not_in_place = sorted(n for n in outputs if n.startswith("present.") and producers.get(n) != "GroupQueryAttention")
+    if context.config["search"].get("past_present_share_buffer") and not_in_place:
         problems.append(
-            f"past_present_share_buffer is on but only {attention_ops} of {decoder['num_hidden_layers']} layers "
-            "use GroupQueryAttention (other attention cannot write into a shared KV buffer)"
+            f"past_present_share_buffer is on but {len(not_in_place)} present outputs (e.g. {not_in_place[0]}) "
+            "are not written by GroupQueryAttention (other attention cannot write into a shared KV buffer)"
         )
+    providers = [name for entry in decoder["session_options"].get("provider_options", []) for name in entry]
+    wanted = [context.profile.genai_provider] if context.profile.genai_provider else []
+    if providers != wanted:
+        problems.append(f"provider_options name {providers or 'the CPU'}, profile {context.profile.name} "
+                        f"expects {wanted or 'the CPU'}")
     og.Config(str(context.package))
     yield Finding(
         "genai_config",
@@ -139,21 +149,44 @@ def _check_genai_config(context: _Context) -> Iterator[Finding]:
     )
 
 
+def _provider_options(context: _Context) -> dict[str, str]:
+    """The package's own options for the profile's provider (graph capture included)."""
+    for entry in context.config["model"]["decoder"]["session_options"].get("provider_options", []):
+        if context.profile.genai_provider in entry:
+            return dict(entry[context.profile.genai_provider])
+    return {}
+
+
 def _check_session(context: _Context) -> Iterator[Finding]:
-    import onnxruntime as ort
+    from exporter.ep_runtime import EpUnavailable, inference_session, placement
 
     provider = context.profile.ort_provider
-    if provider not in ort.get_available_providers():
-        yield Finding("session", False, f"{provider} is not available in this onnxruntime build")
+    options = _provider_options(context)
+    try:
+        session = inference_session(context.model_path, context.profile, options)
+    except EpUnavailable as error:
+        yield Finding("session", True, f"not run: {error}", skipped=True)
         return
-    ort.InferenceSession(str(context.model_path), providers=[provider])
-    yield Finding("session", True, f"{provider} accepts every node")
+    placed = placement(session)
+    elsewhere = {ep: ops for ep, ops in placed.items() if ep != provider}
+    on_ep = sum(placed.get(provider, {}).values())
+    if not elsewhere:
+        yield Finding("session", True, f"all {on_ep} nodes run on {provider}")
+        return
+    where = "; ".join(f"{sum(ops.values())} on {ep} ({', '.join(sorted(ops))})" for ep, ops in elsewhere.items())
+    # A captured graph cannot have CPU nodes; without capture the CPU may take shape work.
+    captured = options.get(context.profile.graph_capture_option) == "1"
+    yield Finding("session", not captured, f"{on_ep} nodes on {provider}, {where}"
+                  + (" (graph capture needs every node on the EP)" if captured else ""))
 
 
-def _check_smoke_generation(context: _Context) -> Iterator[Finding]:
+def _greedy_tokens(context: _Context, on_cpu: bool) -> list[int]:
     import onnxruntime_genai as og
 
-    model = og.Model(str(context.package))
+    config = og.Config(str(context.package))
+    if on_cpu:
+        config.clear_providers()
+    model = og.Model(config)
     vocab = context.config["model"]["vocab_size"]
     prompt = np.array([[t % vocab for t in (2, 17, 42, 5, 99)]], dtype=np.int32)
     params = og.GeneratorParams(model)
@@ -162,9 +195,26 @@ def _check_smoke_generation(context: _Context) -> Iterator[Finding]:
     generator.append_tokens(prompt)
     while not generator.is_done():
         generator.generate_next_token()
-    generated = generator.get_sequence(0)[prompt.shape[1] :].tolist()
-    in_range = bool(generated) and all(0 <= t < vocab for t in generated)
-    yield Finding("smoke_generation", in_range, f"greedy tokens on CPU: {generated}")
+    return generator.get_sequence(0)[prompt.shape[1] :].tolist()
+
+
+def _check_smoke_generation(context: _Context) -> Iterator[Finding]:
+    from exporter.ep_runtime import EpUnavailable, register
+
+    vocab = context.config["model"]["vocab_size"]
+    on_cpu = _greedy_tokens(context, on_cpu=True)
+    in_range = bool(on_cpu) and all(0 <= t < vocab for t in on_cpu)
+    yield Finding("smoke_generation", in_range, f"greedy tokens on CPU: {on_cpu}")
+    if not context.profile.genai_provider:
+        return
+    try:
+        register(context.profile, genai=True)
+        on_ep = _greedy_tokens(context, on_cpu=False)
+    except EpUnavailable as error:
+        yield Finding("ep_generation", True, f"not run: {error}", skipped=True)
+        return
+    yield Finding("ep_generation", on_ep == on_cpu,
+                  f"greedy tokens on {context.profile.ort_provider}: {on_ep}" + ("" if on_ep == on_cpu else " (CPU differs)"))
 
 
 _CHECKS: tuple[Callable[[_Context], Iterator[Finding]], ...] = (
@@ -178,9 +228,11 @@ _CHECKS: tuple[Callable[[_Context], Iterator[Finding]], ...] = (
 
 def format_findings(findings: list[Finding]) -> str:
     width = max(len(f.check) for f in findings)
-    lines = [f"{'PASS' if f.passed else 'FAIL'}  {f.check:<{width}}  {f.detail}" for f in findings]
+    lines = [f"{'SKIP' if f.skipped else 'PASS' if f.passed else 'FAIL'}  {f.check:<{width}}  {f.detail}"
+             for f in findings]
     failed = sum(not f.passed for f in findings)
-    lines.append(f"{len(findings) - failed} passed, {failed} failed")
+    skipped = sum(f.skipped for f in findings)
+    lines.append(f"{len(findings) - failed - skipped} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
     return "\n".join(lines)
 
 

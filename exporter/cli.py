@@ -8,9 +8,10 @@ import threading
 import time
 from pathlib import Path
 
-from ep_profiles import PLANNED_EPS, PROFILES
+from ep_profiles import PROFILES, get_profile
+from ep_profiles.registry import UnknownProfileError
 from exporter.errors import ExporterError
-from exporter.pipeline import PRECISIONS, export
+from exporter.pipeline import PRECISIONS, choose_precision, export
 from exporter.presets import DEFAULT_PRESET
 from exporter.sources import describe_sources
 from exporter.stages import StageRecord
@@ -39,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"preset name, alias, local HF folder or hub id (default: {DEFAULT_PRESET}, offline)",
     )
     parser.add_argument("--ep", default="cpu", metavar="EP",
-                        help=f"execution provider profile (default: cpu; available: {', '.join(PROFILES)})")
+                        help=f"execution provider profile: {', '.join(PROFILES)} (default: cpu; `list` describes them)")
+    parser.add_argument("--no-graph-capture", dest="graph_capture", action="store_false",
+                        help="for an EP profile that captures the decoder's graph (webgpu): export without "
+                             "graph capture (batch sizes above 1; some shape work may run on the CPU)")
     parser.add_argument("-o", "--output", type=Path, metavar="DIR",
                         help="package folder to create (default: ./<model>-<ep>-<precision>)")
     parser.add_argument("--precision", choices=PRECISIONS, help="weight precision (default: the EP's)")
@@ -101,14 +105,13 @@ def _list() -> int:
         print(f"  {name:<20} {description}")
     print("\nExecution providers (--ep):")
     for name, profile in PROFILES.items():
-        print(f"  {name:<20} {profile.description}; precisions: {', '.join(profile.precisions)}")
-    for name in PLANNED_EPS:
-        print(f"  {name:<20} planned, not yet supported")
+        capture = "graph capture on" if profile.graph_capture else "no graph capture"
+        limit = f"; buffers <= {profile.max_buffer_size // 2**20} MiB" if profile.max_buffer_size else ""
+        print(f"  {name:<20} {profile.description}; precisions: {', '.join(profile.precisions)}; {capture}{limit}")
     return 0
 
 
 def _check(argv: list[str]) -> int:
-    from ep_profiles.registry import UnknownProfileError, get_profile
     from exporter.check import check_package, findings_to_json, format_findings
 
     parser = argparse.ArgumentParser(
@@ -136,13 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["check"]:
         return _check(argv[1:])
     args = build_parser().parse_args(argv)
-    precision = args.precision or (PROFILES[args.ep].default_precision if args.ep in PROFILES else "fp32")
+    try:
+        precision = choose_precision(get_profile(args.ep), args.precision)
+    except (ExporterError, UnknownProfileError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     output = args.output or Path(f"{Path(str(args.model)).name}-{args.ep}-{precision}")
     print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)
     try:
         result = export(
             args.model,
             ep=args.ep,
+            graph_capture=args.graph_capture,
             precision=args.precision,
             output_dir=output,
             overwrite=args.overwrite,

@@ -59,8 +59,10 @@ def build_genai_config(
 
     first_kv = layout.kv_layers[0]
     provider_options = (
-        [{profile.genai_provider: dict(profile.provider_options)}] if profile.genai_provider else []
+        [{profile.genai_provider: profile.genai_provider_options()}] if profile.genai_provider else []
     )
+    if profile.max_length is not None:
+        context_length = min(context_length, profile.max_length)
     return {
         "model": {
             "bos_token_id": bos,

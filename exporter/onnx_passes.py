@@ -2,7 +2,9 @@
 
 onnx_ir's and onnxscript's passes, chosen for linear cost: constant folding (without onnx's
 per-node shape inference, which torch.onnx already ran), dead-node and dead-opset removal,
-common-subexpression elimination, initializer deduplication, and clearing node metadata. onnxscript's default rewrite-rule
+common-subexpression elimination, initializer deduplication, and clearing node metadata; for
+graph-capture profiles also constant Reshape targets (``static_reshape_targets``), so no shape
+arithmetic is left for the CPU. onnxscript's default rewrite-rule
 set is left out: its matching cost grows with the square of the node count.
 """
 
@@ -16,6 +18,8 @@ import onnx_ir as ir
 from onnx_ir.passes import common
 from onnxscript.optimizer import _constant_folding
 
+from exporter.static_reshape_targets import StaticReshapeTargets
+
 
 @dataclass(frozen=True)
 class OnnxPassRecord:
@@ -25,7 +29,9 @@ class OnnxPassRecord:
     seconds: float
 
 
-def default_pass_list() -> list[ir.passes.PassBase]:
+def default_pass_list(graph_capture: bool = False) -> list[ir.passes.PassBase]:
+    """The clean-up list; ``graph_capture`` adds the rewrites a captured graph needs (constant
+    Reshape targets, so no shape arithmetic is left for the CPU)."""
     return [
         common.InlinePass(),
         _constant_folding.FoldConstantsPass(
@@ -33,6 +39,7 @@ def default_pass_list() -> list[ir.passes.PassBase]:
             input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
             output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
         ),
+        *([StaticReshapeTargets()] if graph_capture else []),
         common.RemoveUnusedNodesPass(),
         common.RemoveUnusedFunctionsPass(),
         common.RemoveUnusedOpsetsPass(),

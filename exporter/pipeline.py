@@ -17,7 +17,7 @@ import torch
 
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
-from exporter import package
+from exporter import graph_capture_check, package
 from exporter.errors import ExporterError
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
@@ -27,7 +27,7 @@ from exporter.genai_config import (
 from exporter.layout import DecoderLayout, derive_layout
 from exporter.lower import lower
 from exporter.onnx_fusions import FusionDidNotApply, run_fusions
-from exporter.onnx_passes import run_onnx_passes
+from exporter.onnx_passes import default_pass_list, run_onnx_passes
 from exporter.report import ExportReport, initializer_summary, op_counts
 from exporter.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
@@ -36,6 +36,8 @@ from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+# What the pipeline writes today; the others are named by profiles and refused with a clear message.
+IMPLEMENTED_PRECISIONS = ("fp32",)
 GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 
 
@@ -55,6 +57,7 @@ def export(
     tokenizer: Any = None,
     *,
     ep: str | EpProfile = "cpu",
+    graph_capture: bool = True,
     output_dir: str | Path,
     precision: str | None = None,
     overwrite: bool = False,
@@ -68,7 +71,8 @@ def export(
     ``model`` is a preset name, a local Hugging Face folder, a hub id or alias, or an in-memory
     ``PreTrainedModel`` (then ``tokenizer`` is required). ``ep`` is a profile name or an
     ``EpProfile`` of your own (e.g. ``dataclasses.replace(get_profile("cpu"), max_buffer_size=...)``).
-    By default the graph computes logits
+    ``graph_capture=False`` exports for a profile's EP with graph capture off (a profile that
+    captures needs batch size 1 and every node on the EP). By default the graph computes logits
     for each sequence's last token only (what generation reads); ``full_logits=True`` keeps all
     positions, for scoring. ``on_stage(name, record)`` is called with ``record=None`` when a
     stage starts and with its timings when it ends.
@@ -77,13 +81,11 @@ def export(
         profile = ep if isinstance(ep, EpProfile) else get_profile(ep)
     except UnknownProfileError as error:
         raise ExporterError(str(error)) from None
-    precision = precision or profile.default_precision
-    if precision not in profile.precisions:
-        known = "known" if precision in PRECISIONS else "unknown"
-        raise ExporterError(
-            f"precision '{precision}' ({known}) is not supported for EP '{ep}' yet; use one of: "
-            + ", ".join(profile.precisions)
-        )
+    if not graph_capture:
+        profile = profile.without_graph_capture()
+    precision = choose_precision(profile, precision)
+    # The fused ops the EP runs at this precision (CUDA has no fp32 GroupQueryAttention).
+    profile = dataclasses.replace(profile, fused_ops=profile.fused_ops_at(precision))
     output_dir = Path(output_dir)
     package.check_destination(output_dir.resolve(), overwrite)
 
@@ -134,12 +136,18 @@ def export(
         del program
 
     with stages.stage("onnx_passes"):
-        onnx_records = run_onnx_passes(onnx_model)
+        onnx_records = run_onnx_passes(onnx_model, default_pass_list(graph_capture=profile.graph_capture))
         report.onnx_passes = [dataclasses.asdict(r) for r in onnx_records]
         try:
             report.fusions = [dataclasses.asdict(r) for r in run_fusions(onnx_model, profile.fused_ops)]
         except FusionDidNotApply as error:
             raise ExporterError(f"ONNX fusion failed: {error}") from error
+        if profile.graph_capture and (on_cpu := graph_capture_check.cpu_placed_nodes(onnx_model)):
+            raise ExporterError(
+                f"EP '{profile.name}' captures the decoder's graph, but {len(on_cpu)} nodes would run on the CPU "
+                f"({graph_capture_check.describe(on_cpu)}); export with --no-graph-capture "
+                "(API: graph_capture=False), or report the model"
+            )
 
     report.op_counts = op_counts(onnx_model)
     report.initializers = initializer_summary(onnx_model)
@@ -156,10 +164,9 @@ def export(
                 report.graph_inputs,
                 package.MODEL_FILENAME,
                 context_length=layout.context_length,
-                # One KV buffer for past and present needs GroupQueryAttention in every layer,
-                # which the substitution pass guarantees (it fails otherwise).
-                share_kv_buffer=profile.past_present_share_buffer
-                and report.op_counts.get(f"com.microsoft.{GROUP_QUERY_ATTENTION}", 0) == layout.num_layers,
+                # One KV buffer for past and present needs every present written in place by
+                # GroupQueryAttention, which the substitution pass guarantees (it fails otherwise).
+                share_kv_buffer=profile.past_present_share_buffer and _presents_from_group_query_attention(onnx_model),
             )
             package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
             package.save_tokenizer(loaded.tokenizer, staging)
@@ -168,6 +175,38 @@ def export(
         package.save_json(report.to_dict(), staging / package.REPORT_FILENAME)
         (staging / package.REPORT_MARKDOWN_FILENAME).write_text(report.to_markdown())
     return ExportedPackage(output_dir, report, layout)
+
+
+def _presents_from_group_query_attention(model) -> bool:
+    presents = [v for v in model.graph.outputs if v.name.startswith("present.")]
+    return bool(presents) and all(
+        (node := v.producer()) is not None and node.op_type == GROUP_QUERY_ATTENTION for v in presents
+    )
+
+
+def choose_precision(profile: EpProfile, asked: str | None) -> str:
+    """``asked``, checked against the profile and what the pipeline writes; without one, the EP's
+    most preferred precision the pipeline writes."""
+    if asked is None:
+        usable = [p for p in profile.precisions if p in IMPLEMENTED_PRECISIONS]
+        if not usable:
+            raise ExporterError(
+                f"EP '{profile.name}' runs {', '.join(profile.precisions)}; this exporter writes only "
+                f"{', '.join(IMPLEMENTED_PRECISIONS)} so far"
+            )
+        return usable[0]
+    if asked not in profile.precisions:
+        known = "known" if asked in PRECISIONS else "unknown"
+        raise ExporterError(
+            f"precision '{asked}' ({known}) is not supported for EP '{profile.name}'; use one of: "
+            + ", ".join(p for p in profile.precisions if p in IMPLEMENTED_PRECISIONS)
+        )
+    if asked not in IMPLEMENTED_PRECISIONS:
+        raise ExporterError(
+            f"precision '{asked}' is not implemented yet; use --precision "
+            + " or ".join(p for p in profile.precisions if p in IMPLEMENTED_PRECISIONS)
+        )
+    return asked
 
 
 def fx_pass_names(profile, layout: DecoderLayout, full_logits: bool) -> list[str]:

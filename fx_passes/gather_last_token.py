@@ -29,9 +29,13 @@ _aten = torch.ops.aten
 _PROJECTIONS = (_aten.linear.default, _aten.matmul.default, _aten.mm.default)
 
 
-def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.fx.Node, axis: int) -> torch.fx.Node:
+def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.fx.Node, axis: int,
+                      context: PassContext) -> torch.fx.Node:
+    """A ``last_token`` of ``tensor``; a graph-captured decoder runs one unpadded sequence, whose
+    last token is the last position (no index arithmetic on the CPU)."""
+    last_position = bool(context.profile.graph_capture)
     with graph.inserting_after(tensor):
-        gathered = graph.call_function(torch.ops.genai_exporter.last_token.default, (tensor, mask, axis))
+        gathered = graph.call_function(torch.ops.genai_exporter.last_token.default, (tensor, mask, axis, last_position))
     set_fake_value(gathered)
     return gathered
 
@@ -78,7 +82,7 @@ class GatherLastToken:
                 f"{self.name}: the LM head's input {hidden.name} has shape "
                 f"{tuple(hidden.meta['val'].shape)}; expected exactly one sequence axis"
             )
-        gathered = insert_last_token(graph, hidden, user_input(program, "attention_mask"), axes[0])
+        gathered = insert_last_token(graph, hidden, user_input(program, "attention_mask"), axes[0], context)
         for projection in projections:
             projection.replace_input_with(hidden, gathered)
         graph.lint()

@@ -8,22 +8,33 @@ lowering written with onnxscript, collected in ``ONNX_TRANSLATIONS`` for ``torch
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
 import torch
 from onnxscript import INT32, INT64
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
 
+_INT64_MAX = 2**63 - 1
+
+
 @torch.library.custom_op("genai_exporter::last_token", mutates_args=())
-def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int) -> torch.Tensor:
+def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int, last_position: bool = False) -> torch.Tensor:
     """Each row's last real token along ``dim`` (the sequence axis; dim 0 is the batch).
 
     The last real token is the last position of the current chunk whose attention-mask entry is 1:
     the final position for unpadded or left-padded rows, and the last prompt token for the
     right-padded rows of ONNX Runtime GenAI's batched prefill. A chunk with no real token gives
     position 0.
+
+    ``last_position``: the chunk is known to have no padding (a graph-captured decoder runs one
+    unpadded sequence), so the last position is taken as it is; the ONNX form is then one Slice,
+    with no shape arithmetic on the CPU, and the mask (under graph capture a zero-padded buffer
+    of max_length columns) is not read.
     """
     seq = x.shape[dim]
+    if last_position:
+        return x.narrow(dim, seq - 1, 1).clone()
     chunk = attention_mask[:, attention_mask.shape[1] - seq :].to(torch.int64)
     index = (chunk * torch.arange(seq, device=x.device)).amax(dim=1)  # [batch]
     index_shape = [1] * x.dim()
@@ -34,13 +45,16 @@ def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int) -> torch
 
 
 @last_token.register_fake
-def _(x: torch.Tensor, attention_mask: torch.Tensor, dim: int) -> torch.Tensor:
+def _(x: torch.Tensor, attention_mask: torch.Tensor, dim: int, last_position: bool = False) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = 1
     return x.new_empty(shape)
 
 
-def _last_token_onnx(x, attention_mask, dim: int):
+def _last_token_onnx(x, attention_mask, dim: int, last_position: bool = False):
+    if last_position:
+        return op.Slice(x, op.Constant(value_ints=[-1]), op.Constant(value_ints=[_INT64_MAX]),
+                        op.Constant(value_ints=[dim]))
     seq = op.Shape(x, start=dim, end=dim + 1)
     total = op.Shape(attention_mask, start=1, end=2)
     chunk = op.Cast(op.Slice(attention_mask, op.Sub(total, seq), total, [1]), to=INT64.dtype)
@@ -94,8 +108,9 @@ def group_query_attention(
     batch, seq, _ = query.shape
     new, past, head = key.shape[1], past_key.shape[2], past_key.shape[3]
     real = attention_mask.to(torch.int64).sum(-1)  # [batch]
-    # ONNX Runtime's rule: a call whose queries span the whole mask is a first prompt.
-    first_prompt = seq == attention_mask.shape[1]
+    # ONNX Runtime's rule: a call whose queries span total_sequence_length (the longest row's
+    # real tokens, see the lowering) is a first prompt.
+    first_prompt = seq == int(real.max())
     start = torch.zeros_like(real) if first_prompt else (real - new).clamp(min=0)
 
     def present(past_tensor, new_tensor):
@@ -193,10 +208,14 @@ _GROUP_QUERY_ATTENTION = _contrib_op(
 def _group_query_attention_onnx(query, key, value, past_key, past_value, attention_mask, num_heads: int,
                                 kv_num_heads: int, scale: float, softcap: float, local_window_size: int,
                                 cos_cache=None, sin_cache=None):
-    # Identical in every layer: the ONNX common-subexpression pass keeps one copy.
-    real = op.ReduceSum(op.Cast(attention_mask, to=INT64.dtype), op.Constant(value_ints=[1]), keepdims=0)
-    seqlens_k = op.Cast(op.Sub(real, op.Constant(value_int=1)), to=INT32.dtype)
-    total = op.Cast(op.Squeeze(op.Shape(attention_mask, start=1, end=2)), to=INT32.dtype)
+    # Identical in every layer: the ONNX common-subexpression pass keeps one copy. In int32 and
+    # without Shape, so the EP runs it on the device (graph capture needs that): the total length
+    # is the longest row's real tokens, which is the mask's width for ONNX Runtime GenAI's batches
+    # (their longest row is unpadded) and the right length for its zero-padded mask buffer under
+    # graph capture.
+    real = op.ReduceSum(op.Cast(attention_mask, to=INT32.dtype), op.Constant(value_ints=[1]), keepdims=0)
+    seqlens_k = op.Sub(real, op.Constant(value=onnx.helper.make_tensor("one", onnx.TensorProto.INT32, [], [1])))
+    total = op.ReduceMax(real, keepdims=0)
     rotary = {} if cos_cache is None else {"do_rotary": 1, "rotary_interleaved": 0}
     return _GROUP_QUERY_ATTENTION(
         query, key, value, past_key, past_value, seqlens_k, total, cos_cache, sin_cache,
@@ -206,7 +225,102 @@ def _group_query_attention_onnx(query, key, value, past_key, past_value, attenti
     )
 
 
+@torch.library.custom_op("genai_exporter::windowed_attention", mutates_args=())
+def windowed_attention(
+    query: torch.Tensor,
+    key_buffer: torch.Tensor,
+    value_buffer: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_heads: int,
+    kv_num_heads: int,
+    scale: float,
+    softcap: float,
+    window: int,
+) -> torch.Tensor:
+    """Sliding-window attention of rotated queries over a layer's whole KV buffer, for EPs whose
+    GroupQueryAttention ignores ``local_window_size`` in some calls (a profile's
+    ``sliding_window = "explicit_mask"``).
+
+    query [batch, seq, num_heads * head] (already rotated); key/value buffers
+    [batch, kv_num_heads, slots, head] as GroupQueryAttention left them: each row compact, real
+    tokens first (``sum(attention_mask[b])`` of them), any slots after that unused (under a
+    shared KV buffer, the rest of max_length). Query i of row b is at position
+    ``i + max(real_b - seq, 0)``: the row's last ``seq`` tokens, or from 0 in a right-padded
+    first prompt. It sees slots j with ``position - window < j <= position`` and ``j < real_b``.
+    Returns [batch, seq, num_heads * head].
+    """
+    batch, seq, _ = query.shape
+    slots, head = key_buffer.shape[2], key_buffer.shape[3]
+    real = attention_mask.to(torch.int64).sum(-1)  # [batch]
+    positions = torch.arange(seq)[None, :] + (real - seq).clamp(min=0)[:, None]  # [batch, seq]
+    keys = torch.arange(slots)
+    distance = positions[:, :, None] - keys[None, None, :]
+    visible = (distance >= 0) & (distance < window) & (keys[None, None, :] < real[:, None, None])
+    groups = num_heads // kv_num_heads
+    q = query.view(batch, seq, num_heads, head).transpose(1, 2)
+    k = key_buffer.repeat_interleave(groups, dim=1)
+    v = value_buffer.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (weights @ v).transpose(1, 2).reshape(batch, seq, num_heads * head)
+
+
+@windowed_attention.register_fake
+def _(query, key_buffer, value_buffer, attention_mask, num_heads, kv_num_heads, scale, softcap, window):
+    return query.new_empty(query.shape)
+
+
+def _windowed_attention_onnx(query, key_buffer, value_buffer, attention_mask, num_heads: int,
+                             kv_num_heads: int, scale: float, softcap: float, window: int):
+    """MatMul/Softmax over the whole buffer with a window mask built on the device, in the
+    form the WebGPU EP runs entirely on the GPU and captures (measured on onnxruntime-ep-webgpu
+    0.4.0): positions in float, counted with CumSum over ones instead of Shape/Range; constant
+    Reshape targets; no int64 arithmetic. Scores outside the window are replaced (Where), not
+    offset, so whatever an unused buffer slot holds cannot leak into a visible one."""
+    groups = num_heads // kv_num_heads
+    head = key_buffer.shape[3] if key_buffer.shape is not None else None
+    if not isinstance(head, int):
+        raise ValueError("windowed_attention needs a static head size")
+    zero, one = op.CastLike(0.0, query), op.CastLike(1.0, query)
+    real = op.ReduceSum(op.CastLike(attention_mask, query), [1], keepdims=1)  # [batch, 1]
+    # Slot numbers [batch, 1, slots, 1]: a running count over one column of the key buffer,
+    # made of ones without reading its values (unused slots may hold anything).
+    column = op.Slice(op.Slice(key_buffer, [0], [1], [1]), [0], [1], [3])
+    slot = op.Sub(op.CumSum(op.CastLike(op.Not(op.Greater(column, column)), query), op.Constant(value_int=2)), one)
+    slot = op.Reshape(slot, [0, 1, 1, -1])  # [batch, 1, 1, slots]
+    # Query offsets in the chunk [batch, seq, 1]: i = seq - (seq - i), the reverse count of ones.
+    query_column = op.Slice(query, [0], [1], [2])
+    ones = op.CastLike(op.Not(op.Greater(query_column, query_column)), query)
+    remaining = op.CumSum(ones, op.Constant(value_int=1), reverse=1)  # seq - i
+    seq = op.ReduceSum(ones, [1], keepdims=1)  # [batch, 1, 1]
+    past = op.Relu(op.Sub(op.Unsqueeze(real, [2]), seq))  # max(real - seq, 0)
+    position = op.Add(op.Sub(seq, remaining), past)  # [batch, seq, 1]
+    position = op.Unsqueeze(position, [1])  # [batch, 1, seq, 1]
+    distance = op.Sub(position, slot)  # [batch, 1, seq, slots]
+    visible = op.And(
+        op.And(op.GreaterOrEqual(distance, zero), op.Less(distance, op.CastLike(float(window), query))),
+        op.Less(slot, op.Unsqueeze(real, [2, 3])),
+    )
+    visible = op.Unsqueeze(visible, [1])  # [batch, 1, 1, seq, slots]
+    q = op.Transpose(op.Reshape(query, [0, 0, kv_num_heads, groups, head]), perm=[0, 2, 3, 1, 4])
+    k = op.Transpose(op.Unsqueeze(key_buffer, [2]), perm=[0, 1, 2, 4, 3])  # [batch, kv, 1, head, slots]
+    v = op.Unsqueeze(value_buffer, [2])  # [batch, kv, 1, slots, head]
+    scores = op.Mul(op.MatMul(q, k), op.CastLike(scale, query))  # [batch, kv, groups, seq, slots]
+    if softcap > 0:
+        cap = op.CastLike(softcap, query)
+        scores = op.Mul(op.Tanh(op.Div(scores, cap)), cap)
+    # The lowest finite score (a fully hidden row, such as a padded query, stays finite).
+    lowest = op.CastLike(-65504.0 if getattr(query, "dtype", None) == ir.DataType.FLOAT16 else -3.0e38, query)
+    weights = op.Softmax(op.Where(visible, scores, lowest), axis=-1)
+    out = op.Transpose(op.MatMul(weights, v), perm=[0, 3, 1, 2, 4])  # [batch, seq, kv, groups, head]
+    return op.Reshape(out, [0, 0, num_heads * head])
+
+
 ONNX_TRANSLATIONS = {
     torch.ops.genai_exporter.last_token.default: _last_token_onnx,
     torch.ops.genai_exporter.group_query_attention.default: _group_query_attention_onnx,
+    torch.ops.genai_exporter.windowed_attention.default: _windowed_attention_onnx,
 }

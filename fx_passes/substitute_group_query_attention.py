@@ -30,6 +30,7 @@ from fx_passes.attention_cores import (
     find_attention_cores,
     heads_output,
 )
+from ep_profiles import WINDOW_BY_MASK
 from fx_passes.base import PassContext, add_parameter
 from fx_passes.graph_facts import (
     PassDidNotApply,
@@ -44,6 +45,7 @@ from fx_passes.rotary import Rotary, match_rotary, rotary_caches
 
 _aten = torch.ops.aten
 _GQA = torch.ops.genai_exporter.group_query_attention.default
+_WINDOWED = torch.ops.genai_exporter.windowed_attention.default
 
 
 class SubstituteGroupQueryAttention:
@@ -67,8 +69,12 @@ class SubstituteGroupQueryAttention:
             if limit is not None:  # counted at fp32, the caches' widest form
                 limit //= 4
             rotary = _RotaryCaches(program, layout.context_length, limit)
-        shared = rotated = 0
+        window_by_mask = context.profile.sliding_window == WINDOW_BY_MASK
+        shared = rotated = masked = 0
         for core, window in zip(cores, windows, strict=True):
+            # The EP's GroupQueryAttention cannot be trusted with this window: it still writes the
+            # cache (owners), but the attention itself reads the buffer through a window mask.
+            mask_window = window_by_mask and window > 0
             key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
             owner = key_cat not in presents
             if owner != (value_cat not in presents):
@@ -81,7 +87,7 @@ class SubstituteGroupQueryAttention:
             new_key = key_cat.args[0][1] if owner else None
             query_rotary = key_rotary = None
             caches = ()
-            if rotary is not None:
+            if rotary is not None and not mask_window:  # the masked attention needs rotated queries
                 query_rotary, key_rotary = _rotary_of(core.query), _rotary_of(new_key) if owner else None
                 caches = rotary.caches_for(query_rotary, key_rotary, owner)
                 if caches:
@@ -94,13 +100,21 @@ class SubstituteGroupQueryAttention:
                     key = _heads_last(graph, new_key, key_rotary)
                     value = _heads_last(graph, value_cat.args[0][1])
                     past_key, past_value = key_cat.args[0][0], value_cat.args[0][0]
+                    marker = _call(graph, _GQA, query, key, value, past_key, past_value, attention_mask,
+                                   heads, kv_heads, core.scale, core.softcap, 0 if mask_window else window, *caches)
+                    output, present_key, present_value = (_call(graph, operator.getitem, marker, i) for i in range(3))
                 else:
-                    key = value = _no_tokens(graph, query, kv_heads * head)
-                    past_key, past_value = presents[key_cat], presents[value_cat]
+                    present_key, present_value = presents[key_cat], presents[value_cat]
                     shared += 1
-                marker = _call(graph, _GQA, query, key, value, past_key, past_value, attention_mask,
-                               heads, kv_heads, core.scale, core.softcap, window, *caches)
-                output, present_key, present_value = (_call(graph, operator.getitem, marker, i) for i in range(3))
+                    if not mask_window:
+                        empty = _no_tokens(graph, query, kv_heads * head)
+                        marker = _call(graph, _GQA, query, empty, empty, present_key, present_value, attention_mask,
+                                       heads, kv_heads, core.scale, core.softcap, window, *caches)
+                        output = _call(graph, operator.getitem, marker, 0)
+                if mask_window:
+                    output = _call(graph, _WINDOWED, query, present_key, present_value, attention_mask,
+                                   heads, kv_heads, core.scale, core.softcap, window)
+                    masked += 1
             if owner:
                 for concat, present in ((key_cat, present_key), (value_cat, present_value)):
                     concat.replace_all_uses_with(present, delete_user_cb=lambda user: user.op == "output")
@@ -109,16 +123,26 @@ class SubstituteGroupQueryAttention:
         graph.eliminate_dead_code()
         graph.lint()
         program.graph_module.recompile()
-        if sum(n.target is _GQA for n in graph.nodes) != layout.num_layers:
-            raise PassDidNotApply(f"{self.name}: the rewritten graph lost a GroupQueryAttention")
+        # One attention per layer, plus the cache-writing GroupQueryAttention of each owner whose
+        # attention reads its buffer through a window mask.
+        expected = layout.num_layers + sum(1 for n in graph.nodes if n.target is _GQA and not _output_read(n))
+        if sum(n.target in (_GQA, _WINDOWED) for n in graph.nodes) != expected or masked != sum(
+                n.target is _WINDOWED for n in graph.nodes):
+            raise PassDidNotApply(f"{self.name}: the rewritten graph lost an attention")
         return program, {
             "layers": len(cores),
             "kv_shared_layers": shared,
             "sliding_window_layers": sum(1 for w in windows if w),
             "soft_capped_layers": sum(1 for c in cores if c.softcap),
             "rotary_in_attention_layers": rotated,
+            "window_mask_layers": masked,
             "substituted_layers": [c.layer for c in cores],
         }
+
+
+def _output_read(marker: Node) -> bool:
+    """Whether a GroupQueryAttention's attention output (item 0) has readers."""
+    return any(user.args[1] == 0 and user.users for user in marker.users)
 
 
 def _call(graph: Graph, target, *args) -> Node:

@@ -81,7 +81,7 @@ class TruncateSharedKvLayers:
                     f"{self.name}: cannot pick the last token of {producer.name} with shape "
                     f"{tuple(value.shape)} (needs one sequence axis after the batch axis)"
                 )
-            gathered = insert_last_token(graph, producer, mask, axes[0])
+            gathered = insert_last_token(graph, producer, mask, axes[0], context)
             for consumer in consumers:
                 consumer.replace_input_with(producer, gathered)
             gathers += 1

@@ -6,24 +6,71 @@ import dataclasses
 
 import pytest
 
-from ep_profiles import PLANNED_EPS, PROFILES, get_profile
+from ep_profiles import PROFILES, WINDOW_BY_MASK, EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
+from exporter.onnx_fusions import KNOWN_FUSED_OPS
+from exporter.pipeline import PRECISIONS
 from fx_passes import FX_PASSES
+
+
+def test_every_ep_the_issue_names_has_a_profile():
+    assert set(PROFILES) == {"cpu", "cuda", "dml", "webgpu", "trt-rtx"}
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_profile_is_consistent(name):
     profile = get_profile(name)
     assert profile.name == name
-    assert profile.precisions and profile.default_precision == profile.precisions[0]
+    assert profile.precisions and set(profile.precisions) <= set(PRECISIONS)
     assert all(p in FX_PASSES for p in profile.fx_passes), "profile asks for an unknown FX pass"
+    assert set(profile.fused_ops) <= {"GroupQueryAttention", *KNOWN_FUSED_OPS}
+    assert set(profile.fused_op_precisions) <= set(profile.fused_ops)
+    assert bool(profile.genai_provider) == (name != "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):
         profile.name = "other"  # type: ignore[misc]
 
 
-def test_planned_and_unknown_eps_are_told_apart():
-    for name in PLANNED_EPS:
-        with pytest.raises(UnknownProfileError, match="not supported yet"):
-            get_profile(name)
-    with pytest.raises(UnknownProfileError, match="unknown EP"):
+def test_fused_ops_follow_the_precision():
+    cuda = get_profile("cuda")
+    assert "GroupQueryAttention" not in cuda.fused_ops_at("fp32")
+    assert "GroupQueryAttention" in cuda.fused_ops_at("fp16")
+    assert "SimplifiedLayerNormalization" in cuda.fused_ops_at("fp32")
+
+
+def test_webgpu_profile_states_its_limits_as_data():
+    webgpu = get_profile("webgpu")
+    assert webgpu.max_buffer_size == 256 * 2**20
+    assert webgpu.graph_capture and webgpu.genai_provider_options()["enableGraphCapture"] == "1"
+    assert webgpu.sliding_window == WINDOW_BY_MASK
+    off = webgpu.without_graph_capture()
+    assert not off.graph_capture and off.genai_provider_options()["enableGraphCapture"] == "0"
+    assert get_profile("cpu").genai_provider_options() == {}
+
+
+def test_bad_profiles_are_refused():
+    with pytest.raises(ValueError, match="sliding_window"):
+        dataclasses.replace(get_profile("cpu"), sliding_window="guess")
+    with pytest.raises(ValueError, match="graph_capture_option"):
+        EpProfile("x", "", "CPUExecutionProvider", ("fp32",), "x", graph_capture=True)
+
+
+def test_unknown_eps_are_named():
+    with pytest.raises(UnknownProfileError, match="unknown EP 'tpu'; use one of: cpu, cuda, dml, webgpu, trt-rtx"):
         get_profile("tpu")
+
+
+def test_genai_config_follows_the_profile(preset_exports):
+    """Provider options (graph capture included) and a profile's max_length cap reach genai_config."""
+    from exporter.genai_config import build_genai_config
+
+    exported = preset_exports.get("tiny-gemma-4")
+    layout, generation = exported.package.layout, exported.model.generation_config
+    capped = dataclasses.replace(get_profile("webgpu"), max_length=64)
+    config = build_genai_config(layout, capped, generation, ["input_ids", "attention_mask"], "model.onnx",
+                                context_length=layout.context_length, share_kv_buffer=True)
+    assert config["model"]["context_length"] == config["search"]["max_length"] == 64 < layout.context_length
+    assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"webgpu": {"enableGraphCapture": "1"}}]
+    assert config["search"]["past_present_share_buffer"] is True
+    cuda = build_genai_config(layout, get_profile("cuda"), generation, ["input_ids"], "model.onnx", layout.context_length)
+    assert cuda["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
+    assert cuda["model"]["context_length"] == layout.context_length

@@ -61,4 +61,4 @@ def test_shared_kv_buffer_without_group_query_attention_fails(preset_exports, tm
 
     package = _broken_copy(preset_exports, tmp_path, edit, plain_attention=True)
     assert main(["check", str(package)]) == 1
-    assert "past_present_share_buffer is on but only 0 of 4 layers use GroupQueryAttention" in capsys.readouterr().out
+    assert "past_present_share_buffer is on but 8 present outputs (e.g. present.0.key) are not written by GroupQueryAttention" in capsys.readouterr().out

@@ -63,14 +63,14 @@ def assert_same_results(inputs, got, want, tolerance=TOLERANCE):
 ROTATED_OUTSIDE_ATTENTION: set[str] = set()
 
 
-def _substituted(name, passes=PASSES, attention_rotary=True):
+def _substituted(name, passes=PASSES, attention_rotary=True, profile=None):
     model, _ = build_preset(name)
     layout = derive_layout(model)
     program, _ = trace(model, layout)
     cases = _cases(layout)
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
-    profile = dataclasses.replace(get_profile("cpu"), attention_rotary=attention_rotary)
+    profile = profile or dataclasses.replace(get_profile("cpu"), attention_rotary=attention_rotary)
     context = PassContext(profile=profile, layout=layout)
     program, records = run_fx_passes(program, [FX_PASSES[n] for n in passes], context)
     return layout, program, cases, before, records[-1].changes
@@ -100,6 +100,28 @@ def test_substitution_on_rotated_inputs_keeps_results():
             assert_same_results(inputs, program.module()(*inputs), want)
 
 
+WINDOWED = torch.ops.genai_exporter.windowed_attention.default
+
+
+@pytest.mark.l2
+@pytest.mark.parametrize("name", ["tiny-gemma-4", "tiny-gemma2"])
+def test_window_mask_profile_keeps_results(name):
+    """A profile whose GroupQueryAttention cannot be trusted with windows (webgpu): sliding layers
+    attend through ``windowed_attention`` over the cache buffer; owners still write it with
+    GroupQueryAttention (no window), KV-shared sliding layers have no GroupQueryAttention."""
+    layout, program, cases, before, changes = _substituted(name, profile=get_profile("webgpu"))
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    sliding = changes["sliding_window_layers"]
+    assert sliding > 0 and changes["window_mask_layers"] == sliding == targets.count(WINDOWED)
+    types = build_preset(name)[0].config.layer_types
+    sliding_shared = sum(1 for i in layout.shared_layer_indices if types[i] == "sliding_attention")
+    assert targets.count(GQA) == layout.num_layers - sliding_shared
+    assert all(n.args[10] == 0 for n in program.graph.nodes if n.target is GQA)  # no window left to GQA
+    with torch.no_grad():
+        for inputs, want in zip(cases, before, strict=True):
+            assert_same_results(inputs, program.module()(*inputs), want)
+
+
 @pytest.mark.l2
 def test_substitution_reads_each_model_from_its_graph():
     """Windows, soft-caps and KV sharing come from the graph: Gemma 4 slides in 8 of 10 layers and
@@ -109,7 +131,7 @@ def test_substitution_reads_each_model_from_its_graph():
     assert sorted(k for k in program.state_dict if k.startswith("rotary_")) == [
         "rotary_0.cos_cache", "rotary_0.sin_cache", "rotary_1.cos_cache", "rotary_1.sin_cache"]
     assert gemma4 == {"layers": 10, "kv_shared_layers": 4, "sliding_window_layers": 8, "soft_capped_layers": 0,
-                      "rotary_in_attention_layers": 10, "substituted_layers": list(range(10))}
+                      "rotary_in_attention_layers": 10, "window_mask_layers": 0, "substituted_layers": list(range(10))}
     layout, program, *_, gemma2 = _substituted("tiny-gemma2")
     assert (gemma2["sliding_window_layers"], gemma2["soft_capped_layers"]) == (2, 4)
     markers = [n for n in program.graph.nodes if n.target is GQA]

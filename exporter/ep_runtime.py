@@ -1,0 +1,84 @@
+"""Open ONNX Runtime and ONNX Runtime GenAI sessions on a profile's EP, where it is installed.
+
+Some EPs ship as plugin packages (WebGPU: ``onnxruntime-ep-webgpu``), registered with both
+runtimes by library path before use. ONNX Runtime falls back to the CPU without a word when an
+EP cannot take a node, so sessions here record the placement and callers read it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import Counter
+from pathlib import Path
+
+from ep_profiles import EpProfile
+
+# Lets the WebGPU EP use a software adapter (Mesa's lavapipe) where no GPU is present.
+_SOFTWARE_ADAPTER = "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER"
+_registered: set[str] = set()
+
+
+class EpUnavailable(RuntimeError):
+    pass
+
+
+def _plugin_library(profile: EpProfile) -> str:
+    try:
+        module = importlib.import_module(profile.ort_plugin)
+    except ImportError:
+        raise EpUnavailable(
+            f"{profile.ort_provider} needs the Python package '{profile.ort_plugin.replace('_', '-')}'"
+        ) from None
+    return module.get_library_path()
+
+
+def register(profile: EpProfile, genai: bool = False) -> None:
+    """Make the profile's EP available to ONNX Runtime (and to ONNX Runtime GenAI); raises
+    EpUnavailable if this machine's onnxruntime cannot offer it."""
+    if not profile.ort_plugin:
+        import onnxruntime as ort
+
+        if profile.ort_provider not in ort.get_available_providers():
+            raise EpUnavailable(f"{profile.ort_provider} is not available in this onnxruntime build")
+        return
+    os.environ.setdefault(_SOFTWARE_ADAPTER, "1")
+    library = _plugin_library(profile)
+    import onnxruntime as ort
+
+    if ("ort", profile.ort_provider) not in _registered:
+        ort.register_execution_provider_library(profile.genai_provider, library)
+        _registered.add(("ort", profile.ort_provider))
+    if genai and ("genai", profile.ort_provider) not in _registered:
+        import onnxruntime_genai as og
+
+        og.register_execution_provider_library(profile.ort_provider, library)
+        _registered.add(("genai", profile.ort_provider))
+
+
+def inference_session(model_path: Path, profile: EpProfile, provider_options: dict[str, str]):
+    """An ONNX Runtime session on the profile's EP that records where each node runs; raises
+    EpUnavailable if this onnxruntime cannot offer the EP."""
+    import onnxruntime as ort
+
+    register(profile)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    if profile.ort_plugin:
+        devices = [d for d in ort.get_ep_devices() if d.ep_name == profile.ort_provider]
+        if not devices:
+            raise EpUnavailable(f"{profile.ort_provider} found no device (for a software adapter set {_SOFTWARE_ADAPTER}=1)")
+        options.add_provider_for_devices(devices[:1], provider_options)
+        return ort.InferenceSession(str(model_path), sess_options=options)
+    return ort.InferenceSession(
+        str(model_path), sess_options=options, providers=[(profile.ort_provider, provider_options)]
+    )
+
+
+def placement(session) -> dict[str, Counter]:
+    """Op types per EP that ran them, e.g. {"WebGpuExecutionProvider": Counter({"MatMul": 84})}."""
+    placed: dict[str, Counter] = {}
+    for assignment in session.get_provider_graph_assignment_info():
+        placed.setdefault(assignment.ep_name, Counter()).update(n.op_type for n in assignment.get_nodes())
+    return placed

@@ -1,0 +1,64 @@
+"""Find the nodes an EP would run on the CPU in a graph that must be captured.
+
+Graph capture (WebGPU's command recording, CUDA graphs) replays the device work of one run, so a
+captured session refuses any node placed on the CPU. ONNX Runtime places on the CPU whatever
+computes a shape input: a Reshape target, Slice bounds, Expand/Tile sizes, axes given as inputs,
+and so on, together with the Shape/Concat/Squeeze chains that feed them. Constants are fine
+(they are read once). This check reads the graph only, so it runs without the EP installed;
+``python -m exporter check`` asks the real EP for its placement where it is installed.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+# (op type, input indices read on the CPU) for the ONNX ops a decoder graph uses.
+_SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Tile": (1,),
+    "Slice": (1, 2, 3, 4),
+    "Squeeze": (1,),
+    "Unsqueeze": (1,),
+    "ReduceSum": (1,),
+    "ReduceMean": (1,),
+    "ReduceMax": (1,),
+    "ReduceMin": (1,),
+    "CumSum": (1,),
+    "Split": (1,),
+    "Pad": (1, 2, 3),
+    "TopK": (1,),
+    "ConstantOfShape": (0,),
+    "Range": (0, 1, 2),
+    "OneHot": (1,),
+    "Resize": (1, 2, 3),
+}
+# Ops whose every output is host memory.
+_HOST_OPS = {"Shape", "Size", "NonZero"}
+
+
+def cpu_placed_nodes(model: ir.Model) -> list[ir.Node]:
+    """Nodes that compute a value read on the CPU, in graph order."""
+    found: dict[int, ir.Node] = {}
+    pending: list[ir.Value] = []
+    for node in model.graph.all_nodes():
+        if node.op_type in _HOST_OPS:
+            found[id(node)] = node
+        for index in _SHAPE_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
+            if index < len(node.inputs) and node.inputs[index] is not None:
+                pending.append(node.inputs[index])
+    while pending:
+        value = pending.pop()
+        producer = value.producer()
+        if producer is None or ir.convenience.get_const_tensor(value) is not None or id(producer) in found:
+            continue
+        found[id(producer)] = producer
+        pending.extend(v for v in producer.inputs if v is not None)
+    order = {id(node): i for i, node in enumerate(model.graph.all_nodes())}
+    return sorted(found.values(), key=lambda node: order[id(node)])
+
+
+def describe(nodes: list[ir.Node], limit: int = 6) -> str:
+    named = ", ".join(f"{n.op_type} {n.name}" for n in nodes[:limit])
+    more = f" and {len(nodes) - limit} more" if len(nodes) > limit else ""
+    return named + more

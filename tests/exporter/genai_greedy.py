@@ -1,0 +1,38 @@
+"""Greedy generation with ONNX Runtime GenAI on a package's own providers, in a process of its own
+(ONNX Runtime's log level is fixed when its first session starts). Prints the tokens as JSON.
+
+    python genai_greedy.py PACKAGE EP '[[prompt ids], ...]' NEW_TOKENS
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import onnxruntime_genai as og  # noqa: E402
+
+from ep_profiles import get_profile  # noqa: E402
+from exporter.ep_runtime import register  # noqa: E402
+
+
+def main(package: str, ep: str, prompts: str, new_tokens: str) -> None:
+    register(get_profile(ep), genai=True)
+    model = og.Model(package)
+    results = []
+    for prompt in json.loads(prompts):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + int(new_tokens), do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens([prompt])
+        while not generator.is_done():
+            generator.generate_next_token()
+        results.append(generator.get_sequence(0)[len(prompt):].tolist())
+        del generator
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,158 @@
+"""WebGPU packages: graph structure everywhere (L1), and on ONNX Runtime's WebGPU EP over a
+software Vulkan adapter (L5: Mesa's lavapipe, installed by scripts/install_webgpu_stack.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx_ir as ir
+import onnxruntime_genai as og
+import pytest
+
+from ep_profiles import get_profile
+from exporter import ExporterError, export, graph_capture_check, onnx_passes, pipeline
+from exporter.ep_runtime import EpUnavailable, inference_session, placement
+
+WEBGPU = get_profile("webgpu")
+GREEDY = Path(__file__).with_name("genai_greedy.py")
+pytestmark = pytest.mark.xdist_group("webgpu")
+
+
+def _require_webgpu():
+    """The EP and an adapter; in CI their absence is a failure (.ci/run installs them)."""
+    import onnxruntime as ort
+
+    try:
+        from exporter.ep_runtime import register
+
+        register(WEBGPU)
+        if not any(d.ep_name == WEBGPU.ort_provider for d in ort.get_ep_devices()):
+            raise EpUnavailable("no WebGPU adapter (is Mesa's lavapipe from bookworm-backports installed?)")
+    except EpUnavailable as error:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the WebGPU tests: {error}; .ci/run installs the stack")
+        pytest.skip(f"WebGPU EP not on this machine ({error}); run scripts/install_webgpu_stack.sh")
+
+
+@pytest.fixture(scope="module")
+def webgpu_exports(preset_exports, tmp_path_factory):
+    """tiny-gemma-4 for cpu (shared fixture), and the same model for webgpu with and without
+    graph capture."""
+    cpu = preset_exports.get("tiny-gemma-4")
+    root = tmp_path_factory.mktemp("webgpu")
+    captured = export(cpu.model, cpu.tokenizer, ep="webgpu", output_dir=root / "captured")
+    uncaptured = export(cpu.model, cpu.tokenizer, ep="webgpu", graph_capture=False, output_dir=root / "uncaptured")
+    return cpu, captured, uncaptured
+
+
+@pytest.mark.l1
+def test_webgpu_package_is_ready_for_graph_capture(webgpu_exports):
+    cpu, captured, uncaptured = webgpu_exports
+    model = ir.load(captured.model_path)
+    assert graph_capture_check.cpu_placed_nodes(model) == []
+    config = json.loads((captured.path / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"webgpu": {"enableGraphCapture": "1"}}]
+    assert config["search"]["past_present_share_buffer"] is True
+    gqa = next(r for r in captured.report.fx_passes if r["name"] == "substitute_group_query_attention")["changes"]
+    # Every sliding layer attends through the window mask; full layers keep GroupQueryAttention.
+    assert gqa["window_mask_layers"] == gqa["sliding_window_layers"] > 0
+    assert captured.report.op_counts["com.microsoft.GroupQueryAttention"] < captured.layout.num_layers
+    # Without graph capture the shape arithmetic stays (the CPU may run it).
+    assert graph_capture_check.cpu_placed_nodes(ir.load(uncaptured.model_path))
+    uncaptured_config = json.loads((uncaptured.path / "genai_config.json").read_text())
+    assert uncaptured_config["model"]["decoder"]["session_options"]["provider_options"] == [
+        {"webgpu": {"enableGraphCapture": "0"}}]
+
+
+@pytest.mark.l1
+def test_graph_capture_export_fails_when_cpu_nodes_remain(preset_exports, tmp_path, monkeypatch):
+    """Without the constant-Reshape rewrite the graph keeps shape arithmetic: the export must say
+    so, name the nodes, and leave nothing behind."""
+    exported = preset_exports.get("tiny-gemma-4")
+    monkeypatch.setattr(pipeline, "default_pass_list", lambda graph_capture: onnx_passes.default_pass_list(False))
+    with pytest.raises(ExporterError, match=r"captures the decoder's graph, but \d+ nodes would run on the CPU "
+                                            r"\(Shape .*--no-graph-capture"):
+        export(exported.model, exported.tokenizer, ep="webgpu", output_dir=tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.l5
+def test_every_decoder_node_runs_on_webgpu(webgpu_exports):
+    _require_webgpu()
+    _, captured, _ = webgpu_exports
+    session = inference_session(captured.model_path, WEBGPU, WEBGPU.genai_provider_options())
+    assert session.get_providers()[0] == "WebGpuExecutionProvider"
+    placed = placement(session)
+    assert set(placed) == {"WebGpuExecutionProvider"}, {ep: dict(ops) for ep, ops in placed.items()}
+
+
+@pytest.mark.l5
+def test_without_the_rewrites_graph_capture_is_refused(webgpu_exports):
+    """Proof the placement test can fail: the package exported without graph capture keeps shape
+    arithmetic, and ONNX Runtime refuses to capture it."""
+    _require_webgpu()
+    _, _, uncaptured = webgpu_exports
+    with pytest.raises(Exception, match="cannot use the graph capture feature"):
+        inference_session(uncaptured.model_path, WEBGPU, WEBGPU.genai_provider_options())
+
+
+def _cpu_greedy(package: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    model = og.Model(str(package))
+    results = []
+    for prompt in prompts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens([prompt])
+        while not generator.is_done():
+            generator.generate_next_token()
+        results.append(generator.get_sequence(0)[len(prompt):].tolist())
+    return results
+
+
+def _webgpu_greedy(package: Path, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], str]:
+    env = dict(os.environ, ORTGENAI_ORT_VERBOSE_LOGGING="1")
+    done = subprocess.run([sys.executable, str(GREEDY), str(package), "webgpu", json.dumps(prompts), str(new_tokens)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.l5
+def test_graph_capture_generation_matches_cpu_past_the_window(webgpu_exports):
+    """Greedy tokens of the captured WebGPU package == the CPU package's, for a prompt shorter
+    than the sliding window generating 3 windows' worth, and a prompt longer than the window
+    (the WebGPU GroupQueryAttention window bug would diverge right after the window)."""
+    _require_webgpu()
+    cpu, captured, _ = webgpu_exports
+    window = cpu.package.layout.sliding_window
+    short = [(7 * i + 3) % 500 + 5 for i in range(6)]
+    long = [(11 * i + 1) % 500 + 5 for i in range(window + 8)]
+    cases = [([short], 3 * window), ([long], window + 8)]
+    for prompts, new_tokens in cases:
+        want = _cpu_greedy(cpu.package.path, prompts, new_tokens)
+        got, log = _webgpu_greedy(captured.path, prompts, new_tokens)
+        assert got == want
+        assert "This session will use the graph capture feature" in log
+        # The first token comes from the (uncaptured) prompt run, the first decode step captures,
+        # and every later step replays.
+        assert log.count("Replaying the captured WebGpuExecutionProvider graph") == len(got[0]) - 2 > 0
+
+
+@pytest.mark.l5
+def test_check_command_places_the_package_on_webgpu(webgpu_exports, capsys):
+    from exporter.cli import main
+
+    _require_webgpu()
+    _, captured, uncaptured = webgpu_exports
+    assert main(["check", str(captured.path), "--ep", "webgpu"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  session" in out and "nodes run on WebGpuExecutionProvider" in out
+    assert "PASS  ep_generation" in out and "SKIP" not in out
+    # Without capture the CPU may take the shape arithmetic; the check says where it went.
+    assert main(["check", str(uncaptured.path), "--ep", "webgpu"]) == 0
+    assert "on CPUExecutionProvider (" in capsys.readouterr().out
