@@ -133,17 +133,25 @@ def group_query_attention(
     visible = (slots[None, None, :] <= positions[:, :, None]) & (slots[None, None, :] < real[:, None, None])
     if local_window_size > 0:
         visible &= slots[None, None, :] > positions[:, :, None] - local_window_size
-    groups = num_heads // kv_num_heads
+    output = _attend(query, present_key, present_value, visible, num_heads, scale, softcap)
+    return output, present_key, present_value
+
+
+def _attend(query, keys, values, visible, num_heads: int, scale: float, softcap: float) -> torch.Tensor:
+    """query [batch, seq, num_heads * head] over keys/values [batch, kv_heads, slots, head] where
+    ``visible`` [batch, seq, slots]; query head h reads KV head h // (num_heads / kv_heads)."""
+    batch, seq, _ = query.shape
+    head = keys.shape[3]
+    groups = num_heads // keys.shape[1]
     q = query.view(batch, seq, num_heads, head).transpose(1, 2)
-    k = present_key.repeat_interleave(groups, dim=1)
-    v = present_value.repeat_interleave(groups, dim=1)
+    k = keys.repeat_interleave(groups, dim=1)
+    v = values.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key gets 0
-    output = (weights @ v).transpose(1, 2).reshape(batch, seq, num_heads * head)
-    return output, present_key, present_value
+    return (weights @ v).transpose(1, 2).reshape(batch, seq, num_heads * head)
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, heads: int, cos_cache, sin_cache) -> torch.Tensor:
@@ -249,23 +257,13 @@ def windowed_attention(
     first prompt. It sees slots j with ``position - window < j <= position`` and ``j < real_b``.
     Returns [batch, seq, num_heads * head].
     """
-    batch, seq, _ = query.shape
-    slots, head = key_buffer.shape[2], key_buffer.shape[3]
+    seq, slots = query.shape[1], key_buffer.shape[2]
     real = attention_mask.to(torch.int64).sum(-1)  # [batch]
     positions = torch.arange(seq)[None, :] + (real - seq).clamp(min=0)[:, None]  # [batch, seq]
     keys = torch.arange(slots)
     distance = positions[:, :, None] - keys[None, None, :]
     visible = (distance >= 0) & (distance < window) & (keys[None, None, :] < real[:, None, None])
-    groups = num_heads // kv_num_heads
-    q = query.view(batch, seq, num_heads, head).transpose(1, 2)
-    k = key_buffer.repeat_interleave(groups, dim=1)
-    v = value_buffer.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return (weights @ v).transpose(1, 2).reshape(batch, seq, num_heads * head)
+    return _attend(query, key_buffer, value_buffer, visible, num_heads, scale, softcap)
 
 
 @windowed_attention.register_fake

@@ -18,20 +18,23 @@ from ep_profiles import get_profile  # noqa: E402
 from exporter.ep_runtime import register  # noqa: E402
 
 
-def main(package: str, ep: str, prompts: str, new_tokens: str) -> None:
-    register(get_profile(ep), genai=True)
-    model = og.Model(package)
+def greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     results = []
-    for prompt in json.loads(prompts):
+    for prompt in prompts:
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + int(new_tokens), do_sample=False)
+        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
         generator = og.Generator(model, params)
         generator.append_tokens([prompt])
         while not generator.is_done():
             generator.generate_next_token()
         results.append(generator.get_sequence(0)[len(prompt):].tolist())
         del generator
-    print(json.dumps(results))
+    return results
+
+
+def main(package: str, ep: str, prompts: str, new_tokens: str) -> None:
+    register(get_profile(ep), genai=True)
+    print(json.dumps(greedy(og.Model(package), json.loads(prompts), int(new_tokens))))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 import onnx_ir as ir
 import onnxruntime_genai as og
 import pytest
+from genai_greedy import greedy
 
 from ep_profiles import get_profile
 from exporter import ExporterError, export, graph_capture_check, onnx_passes, pipeline
@@ -100,20 +101,6 @@ def test_without_the_rewrites_graph_capture_is_refused(webgpu_exports):
         inference_session(uncaptured.model_path, WEBGPU, WEBGPU.genai_provider_options())
 
 
-def _cpu_greedy(package: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    model = og.Model(str(package))
-    results = []
-    for prompt in prompts:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
-        generator = og.Generator(model, params)
-        generator.append_tokens([prompt])
-        while not generator.is_done():
-            generator.generate_next_token()
-        results.append(generator.get_sequence(0)[len(prompt):].tolist())
-    return results
-
-
 def _webgpu_greedy(package: Path, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], str]:
     env = dict(os.environ, ORTGENAI_ORT_VERBOSE_LOGGING="1")
     done = subprocess.run([sys.executable, str(GREEDY), str(package), "webgpu", json.dumps(prompts), str(new_tokens)],
@@ -134,7 +121,7 @@ def test_graph_capture_generation_matches_cpu_past_the_window(webgpu_exports):
     long = [(11 * i + 1) % 500 + 5 for i in range(window + 8)]
     cases = [([short], 3 * window), ([long], window + 8)]
     for prompts, new_tokens in cases:
-        want = _cpu_greedy(cpu.package.path, prompts, new_tokens)
+        want = greedy(og.Model(str(cpu.package.path)), prompts, new_tokens)
         got, log = _webgpu_greedy(captured.path, prompts, new_tokens)
         assert got == want
         assert "This session will use the graph capture feature" in log
