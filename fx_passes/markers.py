@@ -14,7 +14,6 @@ from onnxscript import INT32, INT64
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
-
 _INT64_MAX = 2**63 - 1
 
 

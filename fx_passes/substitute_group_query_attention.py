@@ -23,6 +23,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
+from ep_profiles import WINDOW_BY_MASK
 from fx_passes import markers  # noqa: F401  (registers the marker op)
 from fx_passes.attention_cores import (
     AttentionCore,
@@ -30,7 +31,6 @@ from fx_passes.attention_cores import (
     find_attention_cores,
     heads_output,
 )
-from ep_profiles import WINDOW_BY_MASK
 from fx_passes.base import PassContext, add_parameter
 from fx_passes.graph_facts import (
     PassDidNotApply,

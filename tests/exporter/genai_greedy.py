@@ -12,10 +12,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import onnxruntime_genai as og  # noqa: E402
+import onnxruntime_genai as og
 
-from ep_profiles import get_profile  # noqa: E402
-from exporter.ep_runtime import register  # noqa: E402
+from ep_profiles import get_profile
+from exporter.ep_runtime import register
 
 
 def greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

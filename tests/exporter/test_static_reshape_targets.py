@@ -9,7 +9,6 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 from onnx import helper as h
-
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from exporter.graph_capture_check import cpu_placed_nodes
