@@ -16,7 +16,7 @@ from ep_profiles import EpProfile
 
 # Lets the WebGPU EP use a software adapter (Mesa's lavapipe) where no GPU is present.
 _SOFTWARE_ADAPTER = "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER"
-_registered: set[str] = set()
+_registered: set[tuple[str, str]] = set()  # (runtime, provider)
 
 
 class EpUnavailable(RuntimeError):

@@ -142,6 +142,14 @@ def export(
             report.fusions = [dataclasses.asdict(r) for r in run_fusions(onnx_model, profile.fused_ops)]
         except FusionDidNotApply as error:
             raise ExporterError(f"ONNX fusion failed: {error}") from error
+        share_kv_buffer = profile.past_present_share_buffer and _presents_from_group_query_attention(onnx_model)
+        if profile.graph_capture and not share_kv_buffer:
+            # ONNX Runtime GenAI captures only decoders whose past and present share one buffer.
+            raise ExporterError(
+                f"EP '{profile.name}' captures the decoder's graph, which needs every present KV written in place "
+                "by GroupQueryAttention (a shared past/present buffer), and this graph's are not; export with "
+                "--no-graph-capture (API: graph_capture=False)"
+            )
         if profile.graph_capture and (on_cpu := graph_capture_check.cpu_placed_nodes(onnx_model)):
             raise ExporterError(
                 f"EP '{profile.name}' captures the decoder's graph, but {len(on_cpu)} nodes would run on the CPU "
@@ -166,7 +174,7 @@ def export(
                 context_length=layout.context_length,
                 # One KV buffer for past and present needs every present written in place by
                 # GroupQueryAttention, which the substitution pass guarantees (it fails otherwise).
-                share_kv_buffer=profile.past_present_share_buffer and _presents_from_group_query_attention(onnx_model),
+                share_kv_buffer=share_kv_buffer,
             )
             package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
             package.save_tokenizer(loaded.tokenizer, staging)

@@ -81,6 +81,20 @@ def test_graph_capture_export_fails_when_cpu_nodes_remain(preset_exports, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.l1
+def test_graph_capture_without_a_shared_kv_buffer_is_refused(preset_exports, tmp_path):
+    """A capturing profile whose attention is not GroupQueryAttention cannot share the KV buffer,
+    which ONNX Runtime GenAI's graph capture requires: the export says so instead of writing a
+    package GenAI would refuse."""
+    import dataclasses
+
+    exported = preset_exports.get("tiny-gemma-4")
+    plain = dataclasses.replace(WEBGPU, fused_ops=tuple(op for op in WEBGPU.fused_ops if op != "GroupQueryAttention"))
+    with pytest.raises(ExporterError, match="captures the decoder's graph, which needs every present KV written"):
+        export(exported.model, exported.tokenizer, ep=plain, output_dir=tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.l5
 def test_every_decoder_node_runs_on_webgpu(webgpu_exports):
     _require_webgpu()
