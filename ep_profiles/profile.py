@@ -43,6 +43,10 @@ class EpProfile:
         must run every node on the EP, with no shape computed on the CPU, at batch size 1; the
         export fails if it cannot make the graph so.
     max_length: a cap on genai_config's context_length / max_length, None for the model's own.
+    int4_activations: the precision an int4 package (4-bit weights) computes in: "fp16" on GPUs,
+        "fp32" where the EP's 4-bit kernels take fp32 activations best (CPU).
+    int4_accuracy_level: MatMulNBits' default accuracy level (4: int8 compute, ONNX Runtime's fast
+        CPU path; 0: the activation dtype).
     """
 
     name: str
@@ -62,6 +66,8 @@ class EpProfile:
     graph_capture_option: str = ""
     graph_capture: bool = False
     max_length: int | None = None
+    int4_activations: str = "fp16"
+    int4_accuracy_level: int = 0
 
     def __post_init__(self):
         if self.sliding_window not in (WINDOW_BY_ATTRIBUTE, WINDOW_BY_MASK):

@@ -22,6 +22,8 @@ CPU = EpProfile(
     fx_passes=_CLEANUP,
     fused_ops=(_GQA, *_NORMS),
     past_present_share_buffer=True,
+    int4_activations="fp32",
+    int4_accuracy_level=4,
 )
 
 CUDA = EpProfile(

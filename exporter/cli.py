@@ -12,6 +12,7 @@ from ep_profiles import PROFILES, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter.errors import ExporterError
 from exporter.pipeline import PRECISIONS, choose_precision, export
+from exporter.quantize_int4 import Int4Options
 from exporter.presets import DEFAULT_PRESET
 from exporter.sources import describe_sources
 from exporter.stages import StageRecord
@@ -46,7 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "graph capture (batch sizes above 1; some shape work may run on the CPU)")
     parser.add_argument("-o", "--output", type=Path, metavar="DIR",
                         help="package folder to create (default: ./<model>-<ep>-<precision>)")
-    parser.add_argument("--precision", choices=PRECISIONS, help="weight precision (default: the EP's)")
+    parser.add_argument("--precision", choices=PRECISIONS,
+                        help="fp32, fp16, bf16 (the graph computes in it), or int4 (4-bit weights, fp16 "
+                             "activations; fp32 on cpu); default: the EP's first (`list`)")
+    parser.add_argument("--int4-block-size", type=int, metavar="N",
+                        help="int4: weights per scale, a power of two >= 16 (default 32)")
+    parser.add_argument("--int4-asymmetric", action="store_true",
+                        help="int4: with zero points (default symmetric)")
+    parser.add_argument("--int4-accuracy-level", type=int, choices=range(5), metavar="0-4",
+                        help="int4: MatMulNBits accuracy level (4 = int8 compute; default: 4 on cpu, 0 elsewhere)")
     parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds an earlier package")
     parser.add_argument("--full-logits", action="store_true",
                         help="output logits for every position (for scoring); by default only each "
@@ -132,6 +141,24 @@ def _check(argv: list[str]) -> int:
     return 0 if all(f.passed for f in findings) else 1
 
 
+def _int4_options(args, profile, precision: str) -> Int4Options | None:
+    given = [flag for flag, value in (("--int4-block-size", args.int4_block_size),
+                                      ("--int4-asymmetric", args.int4_asymmetric or None),
+                                      ("--int4-accuracy-level", args.int4_accuracy_level)) if value is not None]
+    if precision != "int4":
+        if given:
+            raise ExporterError(f"{', '.join(given)} apply to --precision int4, not {precision}")
+        return None
+    try:
+        return Int4Options(
+            block_size=args.int4_block_size or Int4Options.block_size,
+            symmetric=not args.int4_asymmetric,
+            accuracy_level=profile.int4_accuracy_level if args.int4_accuracy_level is None else args.int4_accuracy_level,
+        )
+    except ValueError as error:
+        raise ExporterError(str(error)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["list"]:
@@ -140,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         return _check(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        precision = choose_precision(get_profile(args.ep), args.precision)
+        profile = get_profile(args.ep)
+        precision = choose_precision(profile, args.precision)
+        int4 = _int4_options(args, profile, precision)
     except (ExporterError, UnknownProfileError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -157,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             full_logits=args.full_logits,
             allow_pickled_weights=args.allow_pickled_weights,
             trust_remote_code=args.trust_remote_code,
+            int4=int4,
             on_stage=_Progress(),
         )
     except ExporterError as error:

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 from onnx_ir.passes import common
+from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter import RewritePass, _ir_utils, pattern
 from onnxscript.rewriter.ort_fusions.rms_normalization import rms_normalization_rules
-from onnxscript.rewriter.ort_fusions.skip_normalization import (
-    skip_rms_normalization_ruleset,
-)
+from onnxscript.rewriter.ort_fusions.skip_normalization import SkipRmsNormFusion
 
 
 class PowNegativeHalfToRsqrt(pattern.RewriteRuleClassBase):
@@ -41,6 +40,56 @@ class PowNegativeHalfToRsqrt(pattern.RewriteRuleClassBase):
         return op.Reciprocal(op.Sqrt(x))
 
 
+class NormInInputDtype(pattern.RewriteRuleClassBase):
+    """``Cast(SimplifiedLayerNormalization(x, scale), to=x.dtype)`` with a float32 scale as one
+    SimplifiedLayerNormalization in x's dtype (scale cast once, statistics still in float32).
+
+    A half-precision model that normalizes in float32 (Gemma: ``x.float()``, times
+    ``weight.float()``, cast back) fuses into a norm with a float32 output and scale; ONNX Runtime's
+    SkipSimplifiedLayerNormalization needs input, skip, scale and output in one dtype, so without
+    this rule the skip fusion would build a node ONNX Runtime refuses to load. The result differs
+    from the float32 product only by rounding the scale and the product to x's dtype.
+    """
+
+    def pattern(self, op, x, scale):
+        normalized = op.SimplifiedLayerNormalization(x, scale, _allow_other_attributes=True, _outputs=["norm"])
+        return op.Cast(normalized, _allow_other_attributes=True, _outputs=["cast"])
+
+    def check(self, op, x, scale, norm, cast, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        target = cast.producer().attributes.get_int("to")
+        if x.dtype is None or target != x.dtype.value or x.dtype == norm.dtype:
+            return result.fail("not a cast back to the norm's input dtype")
+        if scale.const_value is None:
+            return result.fail("scale is not a constant")
+        return result
+
+    def rewrite(self, op, x, scale, norm, cast, **_):
+        attributes = norm.producer().attributes
+        cast_scale = op.Cast(scale, to=x.dtype.value)  # folded into an initializer after the fusions
+        cast_scale.dtype, cast_scale.shape = x.dtype, scale.shape
+        output = op.SimplifiedLayerNormalization(
+            x,
+            cast_scale,
+            axis=attributes.get_int("axis", -1),
+            epsilon=attributes.get_float("epsilon", 1e-5),
+            stash_type=attributes.get_int("stash_type", ir.DataType.FLOAT.value),
+        )
+        output.dtype, output.shape = x.dtype, x.shape  # the skip fusion's guards read them
+        return output
+
+
+class _SameDtypeSkipRmsNormFusion(SkipRmsNormFusion):
+    """onnxscript's skip-RMSNorm fusion, guarded also on one dtype for input, skip and scale
+    (ONNX Runtime's SkipSimplifiedLayerNormalization binds them to one type)."""
+
+    def check(self, op, input, skip, gamma, bias, simplified_layer_norm, **kwargs) -> pattern.MatchResult:
+        result = super().check(op, input, skip, gamma, bias, simplified_layer_norm, **kwargs)
+        if result and len({input.dtype, skip.dtype, gamma.dtype, simplified_layer_norm.dtype}) != 1:
+            return pattern.MatchResult().fail("input, skip, scale and output dtypes differ")
+        return result
+
+
 @dataclass(frozen=True)
 class FusionRecord:
     op_type: str
@@ -50,8 +99,15 @@ class FusionRecord:
 
 # Each fused op: the rules that produce it, run in this order.
 _FUSIONS = {
-    "SimplifiedLayerNormalization": lambda: [PowNegativeHalfToRsqrt.rule(), *rms_normalization_rules],
-    "SkipSimplifiedLayerNormalization": lambda: list(skip_rms_normalization_ruleset.rules),
+    "SimplifiedLayerNormalization": lambda: [
+        PowNegativeHalfToRsqrt.rule(), *rms_normalization_rules, NormInInputDtype.rule()
+    ],
+    # The same three rules as onnxscript's skip_rms_normalization_ruleset, with the dtype guard.
+    "SkipSimplifiedLayerNormalization": lambda: [
+        _SameDtypeSkipRmsNormFusion.rule("SkipRmsNormPreAddBias", has_bias=True, bias_pre_add=True),
+        _SameDtypeSkipRmsNormFusion.rule("SkipRmsNormAddBias", has_bias=True, bias_pre_add=False),
+        _SameDtypeSkipRmsNormFusion.rule("SkipRmsNorm", has_bias=False),
+    ],
 }
 KNOWN_FUSED_OPS = tuple(_FUSIONS)
 
@@ -70,6 +126,13 @@ def run_fusions(model: ir.Model, fused_ops: tuple[str, ...]) -> list[FusionRecor
         RewritePass(_FUSIONS[op_type]())(model)
         common.RemoveUnusedNodesPass()(model)
         records.append(FusionRecord(op_type, _count(model, op_type) - before, time.perf_counter() - start))
+    # Rules may leave constant subgraphs behind (a norm scale cast to the input's dtype).
+    _constant_folding.FoldConstantsPass(
+        shape_inference=False,
+        input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+        output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+    )(model)
+    common.RemoveUnusedNodesPass()(model)
     _check_rms_norms_fused(model, fused_ops, records)
     return records
 

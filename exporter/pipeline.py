@@ -28,6 +28,7 @@ from exporter.layout import DecoderLayout, derive_layout
 from exporter.lower import lower
 from exporter.onnx_fusions import FusionDidNotApply, run_fusions
 from exporter.onnx_passes import default_pass_list, run_onnx_passes
+from exporter.quantize_int4 import Int4Options, QuantizeWeightsInt4
 from exporter.report import ExportReport, initializer_summary, op_counts
 from exporter.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
@@ -36,8 +37,6 @@ from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
-# What the pipeline writes today; the others are named by profiles and refused with a clear message.
-IMPLEMENTED_PRECISIONS = ("fp32",)
 GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 
 
@@ -64,6 +63,7 @@ def export(
     full_logits: bool = False,
     allow_pickled_weights: bool = False,
     trust_remote_code: bool = False,
+    int4: Int4Options | None = None,
     on_stage: Callable[[str, StageRecord | None], None] | None = None,
 ) -> ExportedPackage:
     """Export a decoder LM to an ONNX Runtime GenAI package in ``output_dir``.
@@ -75,7 +75,9 @@ def export(
     captures needs batch size 1 and every node on the EP). By default the graph computes logits
     for each sequence's last token only (what generation reads); ``full_logits=True`` keeps all
     positions, for scoring. ``on_stage(name, record)`` is called with ``record=None`` when a
-    stage starts and with its timings when it ends.
+    stage starts and with its timings when it ends. ``int4`` sets block size, symmetry and
+    accuracy level for ``precision="int4"`` (default: ``Int4Options`` with the profile's accuracy
+    level).
     """
     try:
         profile = ep if isinstance(ep, EpProfile) else get_profile(ep)
@@ -84,6 +86,9 @@ def export(
     if not graph_capture:
         profile = profile.without_graph_capture()
     precision = choose_precision(profile, precision)
+    if int4 is not None and precision != "int4":
+        raise ExporterError(f"int4 options apply to --precision int4, not {precision}")
+    int4 = int4 or Int4Options(accuracy_level=profile.int4_accuracy_level)
     # The fused ops the EP runs at this precision (CUDA has no fp32 GroupQueryAttention).
     profile = dataclasses.replace(profile, fused_ops=profile.fused_ops_at(precision))
     output_dir = Path(output_dir)
@@ -93,10 +98,11 @@ def export(
     with stages.stage("load"):
         loaded = load(model, tokenizer, LoadOptions(allow_pickled_weights, trust_remote_code))
         hf_model = loaded.model
-        if any(p.dtype != torch.float32 for p in hf_model.parameters()):
+        dtype = compute_dtype(profile, precision)
+        if any(p.dtype != dtype for p in hf_model.parameters()):
             # A copy: an in-memory model belongs to the caller (often mid-training) and keeps its dtype.
-            hf_model = copy.deepcopy(hf_model).to(torch.float32)
-            loaded.notes.append("weights converted to float32 for tracing (a copy; the model is unchanged)")
+            hf_model = copy.deepcopy(hf_model).to(dtype)
+            loaded.notes.append(f"weights converted to {str(dtype).removeprefix('torch.')} for tracing (a copy; the model is unchanged)")
         try:
             layout = derive_layout(hf_model)
         except Exception as error:
@@ -142,6 +148,16 @@ def export(
             report.fusions = [dataclasses.asdict(r) for r in run_fusions(onnx_model, profile.fused_ops)]
         except FusionDidNotApply as error:
             raise ExporterError(f"ONNX fusion failed: {error}") from error
+        if precision == "int4":
+            quantizer = QuantizeWeightsInt4(int4)
+            quantizer(onnx_model)
+            if not quantizer.matmuls:
+                raise ExporterError("int4 quantization found no MatMul with a constant weight to quantize")
+            report.quantization = {
+                "bits": 4, "block_size": int4.block_size, "symmetric": int4.symmetric,
+                "accuracy_level": int4.accuracy_level, "matmuls": quantizer.matmuls,
+                "gathers": quantizer.gathers, "tables_shared_with_lm_head": quantizer.shared_tables,
+            }
         share_kv_buffer = profile.past_present_share_buffer and _presents_from_group_query_attention(onnx_model)
         if profile.graph_capture and not share_kv_buffer:
             # ONNX Runtime GenAI captures only decoders whose past and present share one buffer.
@@ -192,27 +208,24 @@ def _presents_from_group_query_attention(model) -> bool:
     )
 
 
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def compute_dtype(profile: EpProfile, precision: str) -> torch.dtype:
+    """The dtype the graph computes in: the precision's own, or for int4 (weights only) the
+    profile's activation precision."""
+    return _DTYPES[profile.int4_activations if precision == "int4" else precision]
+
+
 def choose_precision(profile: EpProfile, asked: str | None) -> str:
-    """``asked``, checked against the profile and what the pipeline writes; without one, the EP's
-    most preferred precision the pipeline writes."""
+    """``asked``, checked against what the profile's EP runs; without one, the EP's preferred."""
     if asked is None:
-        usable = [p for p in profile.precisions if p in IMPLEMENTED_PRECISIONS]
-        if not usable:
-            raise ExporterError(
-                f"EP '{profile.name}' runs {', '.join(profile.precisions)}; this exporter writes only "
-                f"{', '.join(IMPLEMENTED_PRECISIONS)} so far"
-            )
-        return usable[0]
+        return profile.default_precision
     if asked not in profile.precisions:
         known = "known" if asked in PRECISIONS else "unknown"
         raise ExporterError(
             f"precision '{asked}' ({known}) is not supported for EP '{profile.name}'; use one of: "
-            + ", ".join(p for p in profile.precisions if p in IMPLEMENTED_PRECISIONS)
-        )
-    if asked not in IMPLEMENTED_PRECISIONS:
-        raise ExporterError(
-            f"precision '{asked}' is not implemented yet; use --precision "
-            + " or ".join(p for p in profile.precisions if p in IMPLEMENTED_PRECISIONS)
+            + ", ".join(profile.precisions)
         )
     return asked
 

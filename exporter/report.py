@@ -44,6 +44,7 @@ class ExportReport:
     fx_passes: list[dict[str, Any]] = field(default_factory=list)
     onnx_passes: list[dict[str, Any]] = field(default_factory=list)
     fusions: list[dict[str, Any]] = field(default_factory=list)
+    quantization: dict[str, Any] = field(default_factory=dict)
     op_counts: dict[str, int] = field(default_factory=dict)
     initializers: dict[str, Any] = field(default_factory=dict)
     graph_inputs: list[str] = field(default_factory=list)
@@ -66,6 +67,7 @@ class ExportReport:
             "fx_passes": self.fx_passes,
             "onnx_passes": self.onnx_passes,
             "fusions": self.fusions,
+            "quantization": self.quantization,
             "op_counts": self.op_counts,
             "initializers": self.initializers,
             "graph_inputs": self.graph_inputs,
@@ -101,6 +103,13 @@ class ExportReport:
         ]
         lines += ["", "## Fusions", "", "| fused op | nodes made | seconds |", "|---|---:|---:|"]
         lines += [f"| {f['op_type']} | {f['fused']} | {f['seconds']:.3f} |" for f in self.fusions]
+        if self.quantization:
+            q = self.quantization
+            lines += ["", "## Quantization", "",
+                      f"{q['bits']}-bit weights, block {q['block_size']}, "
+                      f"{'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']}: "
+                      f"{q['matmuls']} MatMul -> MatMulNBits, {q['gathers']} Gather -> GatherBlockQuantized, "
+                      f"{q['tables_shared_with_lm_head']} table(s) shared with the LM head"]
         lines += ["", "## Operators", "", "| op | count |", "|---|---:|"]
         lines += [f"| {op} | {count} |" for op, count in self.op_counts.items()]
         init = self.initializers

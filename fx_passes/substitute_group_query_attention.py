@@ -177,7 +177,9 @@ class _RotaryCaches:
         for made, nodes in self.made:  # layers often slice the same table separately
             if all(torch.equal(a, b) for a, b in zip(made, tensors, strict=True)):
                 return nodes
-        nodes = tuple(add_parameter(self.program, f"rotary_{len(self.made)}.{name}_cache", tensor)
+        # GroupQueryAttention takes its caches in the query's dtype.
+        dtype = rotary.unrotated.meta["val"].dtype
+        nodes = tuple(add_parameter(self.program, f"rotary_{len(self.made)}.{name}_cache", tensor.to(dtype))
                       for name, tensor in zip(("cos", "sin"), tensors, strict=True))
         self.made.append((tensors, nodes))
         return nodes

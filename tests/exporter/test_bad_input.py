@@ -70,12 +70,18 @@ def test_overwrite_refuses_a_folder_that_is_not_a_package(tmp_path, capsys):
 
 
 def test_unsupported_ep_and_precision(tmp_path, capsys):
-    code, message = _run_cli(["tiny-llama", "--ep", "webgpu", "--precision", "fp16", "-o", str(tmp_path / "a")], capsys)
-    assert code == 2 and "precision 'fp16' is not implemented yet" in message and "fp32" in message
+    code, message = _run_cli(["tiny-llama", "--ep", "webgpu", "--precision", "bf16", "-o", str(tmp_path / "a")], capsys)
+    assert code == 2 and "precision 'bf16' (known) is not supported for EP 'webgpu'" in message and "fp16" in message
     code, message = _run_cli(["tiny-llama", "--ep", "tpu", "-o", str(tmp_path / "b")], capsys)
     assert code == 2 and "unknown EP 'tpu'" in message and "webgpu" in message
-    code, message = _run_cli(["tiny-llama", "--precision", "int4", "-o", str(tmp_path / "c")], capsys)
-    assert code == 2 and "precision 'int4'" in message
+    with pytest.raises(SystemExit) as exited:
+        main(["tiny-llama", "--precision", "int8", "-o", str(tmp_path / "c")])
+    assert exited.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+    code, message = _run_cli(["tiny-llama", "--int4-block-size", "64", "-o", str(tmp_path / "e")], capsys)
+    assert code == 2 and "--int4-block-size apply to --precision int4, not fp32" in message
+    code, message = _run_cli(["tiny-llama", "--precision", "int4", "--int4-block-size", "24", "-o",
+                              str(tmp_path / "f")], capsys)
+    assert code == 2 and "power of two" in message
     code, message = _run_cli(["tiny-llama", "--ep", "cpu", "--precision", "bf16", "-o", str(tmp_path / "d")], capsys)
     assert code == 2 and "precision 'bf16' (known) is not supported for EP 'cpu'" in message
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,256 @@
+"""Weight-only 4-bit quantization: MatMul -> MatMulNBits, embedding Gather -> GatherBlockQuantized.
+
+The numbers come from ONNX Runtime's own block quantizer (``DefaultWeightOnlyQuantizer``'s
+``qbits_block_quant``, the kernel behind ``MatMulNBitsQuantizer``). What this module adds, and why
+it does not run ``MatMulNBitsQuantizer`` on the model: that tool needs the whole model as an
+``onnx.ModelProto`` with every weight in memory (E2B's do not fit on a 24 GiB machine next to their
+quantized copies), and it quantizes a Gather table into a layout MatMulNBits cannot read, so a tied
+embedding / LM head would be stored twice. Here each weight is quantized lazily, when the package is
+written (one weight in memory at a time), and a table that is also the LM head is stored once: the
+MatMulNBits blob [vocab, blocks, block/2] reshaped to [vocab, blocks * block/2] is exactly
+GatherBlockQuantized's uint8 data (ONNX Runtime GenAI's model builder shares it the same way).
+
+Quantized: every MatMul whose weight is a 2-D initializer (or the Transpose of one, the form
+torch.onnx leaves for weights too large to fold), and every Gather along axis 0 of a 2-D
+initializer table (embeddings, per-layer tables and their pieces).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import common
+
+
+def _import_quantizer():
+    """onnxruntime's quantizer module calls ``logging.basicConfig(level=INFO)`` on import, which
+    would make every library's INFO lines print; the root logger is put back as it was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        from onnxruntime.quantization import matmul_nbits_quantizer
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return matmul_nbits_quantizer.DefaultWeightOnlyQuantConfig, matmul_nbits_quantizer.DefaultWeightOnlyQuantizer
+
+
+DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer = _import_quantizer()
+
+MICROSOFT = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class Int4Options:
+    """block_size: weights per scale (a power of two >= 16). symmetric: no zero points (the
+    WebGPU EP's GatherBlockQuantized also refuses zero points over an odd number of blocks).
+    accuracy_level: MatMulNBits' compute type (0 = the activation dtype, 4 = int8, faster on CPU)."""
+
+    block_size: int = 32
+    symmetric: bool = True
+    accuracy_level: int = 0
+
+    def __post_init__(self):
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"int4 block size must be a power of two >= 16, not {self.block_size}")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ValueError(f"int4 accuracy level must be 0-4, not {self.accuracy_level}")
+
+
+class _Blocks:
+    """One weight's quantized parts (blob, scales, zero points), computed on first read and
+    dropped once each part has been read, so saving holds one weight's parts at a time."""
+
+    def __init__(self, weight: ir.TensorProtocol, transposed: bool, options: Int4Options):
+        self.weight, self.transposed, self.options = weight, transposed, options
+        self.wanted = ("blob", "scales") if options.symmetric else ("blob", "scales", "zero_points")
+        self.parts: dict[str, np.ndarray] | None = None
+        self.unread: set[str] = set()
+
+    def part(self, name: str) -> ir.Tensor:
+        if self.parts is None:
+            values = self.weight.numpy()
+            k_by_n = np.ascontiguousarray(values.T if self.transposed else values)
+            config = DefaultWeightOnlyQuantConfig(
+                block_size=self.options.block_size, is_symmetric=self.options.symmetric
+            )
+            blob, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(k_by_n)
+            self.parts = dict(zip(("blob", "scales", "zero_points"), (blob, scales, zero_points), strict=True))
+            self.unread = set(self.wanted)
+        array = self.parts[name]
+        self.unread.discard(name)
+        if not self.unread:
+            self.parts = None
+        return ir.tensor(array)
+
+
+@dataclass
+class _Quantized:
+    blob: ir.Value  # uint8 [n, blocks, block / 2]
+    scales: ir.Value  # [n, blocks], the weight's dtype
+    zero_points: ir.Value | None  # uint8 [n, ceil(blocks / 2)]
+    n: int
+    k: int
+
+
+class QuantizeWeightsInt4(ir.passes.InPlacePass):
+    def __init__(self, options: Int4Options = Int4Options()):
+        super().__init__()
+        self.options = options
+        self.matmuls = self.gathers = self.shared_tables = 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        quantized: dict[int, _Quantized] = {}  # id of the source [n, k] initializer -> its parts
+        tables = {}
+        for node in list(graph):
+            if node.op_type == "Gather" and node.domain == "" and (table := _table_of(node)) is not None:
+                tables[id(table)] = table
+        for node in list(graph):
+            if node.op_type != "MatMul" or node.domain != "":
+                continue
+            weight = _matmul_weight(node)
+            if weight is None:
+                continue
+            source, transposed = weight
+            k, n = (source.shape[1], source.shape[0]) if transposed else tuple(source.shape)
+            if k < self.options.block_size:
+                continue
+            # A folded transpose of a gathered table (small tied models) is the table itself.
+            if not transposed and (twin := _transposed_twin(source, tables.values())) is not None:
+                source, transposed = twin, True
+            key = id(source)
+            if key not in quantized:
+                quantized[key] = self._quantize(graph, source, transposed, k, n)
+            self._replace_matmul(graph, node, quantized[key])
+            self.matmuls += 1
+        for node in list(graph):
+            if node.op_type != "Gather" or node.domain != "" or (table := _table_of(node)) is None:
+                continue
+            rows, width = table.shape
+            if width < self.options.block_size:
+                continue
+            if id(table) in quantized:
+                self.shared_tables += 1
+            else:
+                quantized[id(table)] = self._quantize(graph, table, True, width, rows)
+            self._replace_gather(graph, node, quantized[id(table)])
+            self.gathers += 1
+        # The float weights (and transposes of them) that nothing reads any more.
+        common.RemoveUnusedNodesPass()(model)
+        return ir.passes.PassResult(model, modified=bool(self.matmuls or self.gathers))
+
+    def _quantize(self, graph: ir.Graph, source: ir.Value, transposed: bool, k: int, n: int) -> _Quantized:
+        """``source`` is the weight as stored: [k, n] (x @ w), or [n, k] when ``transposed``."""
+        blocks = -(-k // self.options.block_size)
+        parts = _Blocks(source.const_value, transposed, self.options)
+        dtype = source.dtype
+
+        def initializer(part: str, suffix: str, part_dtype: ir.DataType, shape: list[int]) -> ir.Value:
+            tensor = ir.LazyTensor(lambda: parts.part(part), dtype=part_dtype, shape=ir.Shape(shape))
+            value = ir.Value(name=_unique(graph, f"{source.name}.{suffix}"), const_value=tensor,
+                             type=ir.TensorType(part_dtype), shape=ir.Shape(shape))
+            graph.register_initializer(value)
+            return value
+
+        blob = initializer("blob", "int4", ir.DataType.UINT8, [n, blocks, self.options.block_size // 2])
+        scales = initializer("scales", "scales", dtype, [n, blocks])
+        zero_points = (
+            None if self.options.symmetric
+            else initializer("zero_points", "zero_points", ir.DataType.UINT8, [n, -(-blocks // 2)])
+        )
+        return _Quantized(blob, scales, zero_points, n, k)
+
+    def _replace_matmul(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
+        inputs = [node.inputs[0], q.blob, q.scales] + ([q.zero_points] if q.zero_points is not None else [])
+        attributes = {"K": q.k, "N": q.n, "bits": 4, "block_size": self.options.block_size}
+        if self.options.accuracy_level:
+            attributes["accuracy_level"] = self.options.accuracy_level
+        replacement = ir.node("MatMulNBits", inputs, attributes, domain=MICROSOFT, name=f"{node.name}.int4")
+        _swap(graph, node, [replacement])
+
+    def _replace_gather(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
+        block = self.options.block_size
+        blocks = q.blob.shape[1]
+        flat_shape = ir.Value(name=_unique(graph, f"{q.blob.name}.rows"),
+                              const_value=ir.tensor(np.array([q.n, blocks * block // 2], dtype=np.int64)))
+        graph.register_initializer(flat_shape)
+        rows = ir.node("Reshape", [q.blob, flat_shape], name=f"{node.name}.rows")
+        inputs = [rows.outputs[0], node.inputs[1], q.scales] + ([q.zero_points] if q.zero_points is not None else [])
+        gather = ir.node(
+            "GatherBlockQuantized", inputs,
+            {"bits": 4, "block_size": block, "gather_axis": 0, "quantize_axis": 1},
+            domain=MICROSOFT, name=f"{node.name}.int4",
+        )
+        new_nodes = [rows, gather]
+        if q.k % block:  # blocks are padded; the padding decodes to garbage
+            ends = ir.Value(name=_unique(graph, f"{q.blob.name}.width"),
+                            const_value=ir.tensor(np.array([q.k], dtype=np.int64)))
+            starts = ir.Value(name=_unique(graph, f"{q.blob.name}.start"),
+                              const_value=ir.tensor(np.array([0], dtype=np.int64)))
+            axes = ir.Value(name=_unique(graph, f"{q.blob.name}.last_axis"),
+                            const_value=ir.tensor(np.array([-1], dtype=np.int64)))
+            for value in (ends, starts, axes):
+                graph.register_initializer(value)
+            new_nodes.append(ir.node("Slice", [gather.outputs[0], starts, ends, axes], name=f"{node.name}.unpad"))
+        _swap(graph, node, new_nodes)
+
+
+def _swap(graph: ir.Graph, old: ir.Node, new_nodes: list[ir.Node]) -> None:
+    result, original = new_nodes[-1].outputs[0], old.outputs[0]
+    result.dtype, result.shape = original.dtype, original.shape
+    ir.convenience.replace_nodes_and_values(graph, old, [old], new_nodes, [original], [result])
+
+
+def _unique(graph: ir.Graph, name: str) -> str:
+    if name not in graph.initializers:
+        return name
+    index = 1
+    while f"{name}.{index}" in graph.initializers:
+        index += 1
+    return f"{name}.{index}"
+
+
+def _is_weight(value: ir.Value | None) -> bool:
+    return (
+        value is not None and value.is_initializer() and value.const_value is not None
+        and value.shape is not None and len(value.shape) == 2 and value.dtype in _FLOATS
+    )
+
+
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+
+
+def _matmul_weight(node: ir.Node) -> tuple[ir.Value, bool] | None:
+    """(initializer, transposed) for MatMul(x, w) or MatMul(x, Transpose(w, perm=[1, 0]))."""
+    weight = node.inputs[1]
+    if _is_weight(weight):
+        return weight, False
+    producer = weight.producer() if weight is not None else None
+    if (
+        producer is not None and producer.op_type == "Transpose" and producer.domain == ""
+        and list(producer.attributes.get_ints("perm", [1, 0])) == [1, 0] and _is_weight(producer.inputs[0])
+    ):
+        return producer.inputs[0], True
+    return None
+
+
+def _table_of(node: ir.Node) -> ir.Value | None:
+    table = node.inputs[0]
+    if not _is_weight(table) or node.attributes.get_int("axis", 0) != 0:
+        return None
+    return table
+
+
+def _transposed_twin(weight: ir.Value, tables) -> ir.Value | None:
+    """The gathered table whose transpose ``weight`` is (constant folding copies a small tied
+    LM head out of its embedding)."""
+    k, n = weight.shape
+    for table in tables:
+        if tuple(table.shape) == (n, k) and table.dtype == weight.dtype:
+            if np.array_equal(table.const_value.numpy(), weight.const_value.numpy().T):
+                return table
+    return None
