@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "sequence's last token, which is all generation reads and much faster to prefill")
     parser.add_argument("--allow-pickled-weights", action="store_true",
                         help="load pickled .bin weights, which can run arbitrary code; only for sources you trust")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="build the model's architecture from its config with random weights (no weights "
+                             "downloaded or read; gemma-4-e2b's config ships with the exporter): for checking "
+                             "full-size packages offline")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the checkpoint's own Python code (transformers' trust_remote_code)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on failure")
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             full_logits=args.full_logits,
             allow_pickled_weights=args.allow_pickled_weights,
+            random_weights=args.random_weights,
             trust_remote_code=args.trust_remote_code,
             int4=int4,
             on_stage=_Progress(),

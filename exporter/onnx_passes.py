@@ -19,6 +19,7 @@ from onnx_ir.passes import common
 from onnxscript.optimizer import _constant_folding
 
 from exporter.static_reshape_targets import StaticReshapeTargets
+from exporter.weights import FoldWeightTransposes
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,14 @@ class OnnxPassRecord:
     seconds: float
 
 
-def default_pass_list(graph_capture: bool = False) -> list[ir.passes.PassBase]:
+def default_pass_list(graph_capture: bool = False, fold_shared_transposes: bool = True) -> list[ir.passes.PassBase]:
     """The clean-up list; ``graph_capture`` adds the rewrites a captured graph needs (constant
-    Reshape targets, so no shape arithmetic is left for the CPU)."""
+    Reshape targets, so no shape arithmetic is left for the CPU). Weight transposes are folded
+    into stored weights (lazily); ``fold_shared_transposes`` also folds those of weights with
+    other readers (a tied LM head), at the cost of a second copy."""
     return [
         common.InlinePass(),
+        FoldWeightTransposes(fold_shared=fold_shared_transposes),
         _constant_folding.FoldConstantsPass(
             shape_inference=False,
             input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,

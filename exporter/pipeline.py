@@ -17,7 +17,7 @@ import torch
 
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
-from exporter import graph_capture_check, package
+from exporter import graph_capture_check, package, weights
 from exporter.errors import ExporterError
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
@@ -63,6 +63,7 @@ def export(
     full_logits: bool = False,
     allow_pickled_weights: bool = False,
     trust_remote_code: bool = False,
+    random_weights: bool = False,
     int4: Int4Options | None = None,
     on_stage: Callable[[str, StageRecord | None], None] | None = None,
 ) -> ExportedPackage:
@@ -75,7 +76,8 @@ def export(
     captures needs batch size 1 and every node on the EP). By default the graph computes logits
     for each sequence's last token only (what generation reads); ``full_logits=True`` keeps all
     positions, for scoring. ``on_stage(name, record)`` is called with ``record=None`` when a
-    stage starts and with its timings when it ends. ``int4`` sets block size, symmetry and
+    stage starts and with its timings when it ends. ``random_weights`` builds the source's
+    architecture from its config with random weights (no weights downloaded or read). ``int4`` sets block size, symmetry and
     accuracy level for ``precision="int4"`` (default: ``Int4Options`` with the profile's accuracy
     level).
     """
@@ -96,10 +98,13 @@ def export(
 
     stages = StageLog(on_stage)
     with stages.stage("load"):
-        loaded = load(model, tokenizer, LoadOptions(allow_pickled_weights, trust_remote_code))
+        loaded = load(model, tokenizer, LoadOptions(allow_pickled_weights, trust_remote_code, random_weights))
         hf_model = loaded.model
         dtype = compute_dtype(profile, precision)
-        if any(p.dtype != dtype for p in hf_model.parameters()):
+        if loaded.weights is not None:
+            hf_model.to(dtype)  # empty parameters, built for this export: nothing to copy
+            hf_model.tie_weights()  # converting meta parameters replaces them, untying a tied LM head
+        elif any(p.dtype != dtype for p in hf_model.parameters()):
             # A copy: an in-memory model belongs to the caller (often mid-training) and keeps its dtype.
             hf_model = copy.deepcopy(hf_model).to(dtype)
             loaded.notes.append(f"weights converted to {str(dtype).removeprefix('torch.')} for tracing (a copy; the model is unchanged)")
@@ -110,6 +115,8 @@ def export(
                 f"{type(hf_model).__name__} could not run with a KV cache ({_first_line(error)}); "
                 "only decoder LMs with a transformers KV cache can be exported"
             ) from None
+        # Parameters without data are traced as fake tensors; their values arrive when written.
+        parameter_shapes = weights.fake_parameters(hf_model) if loaded.weights is not None else None
 
     report = ExportReport(
         source=loaded.source,
@@ -140,9 +147,17 @@ def export(
     with stages.stage("lower"):
         onnx_model = _run_step("lowering to ONNX", lower, program, sample_inputs, layout)
         del program
+        if loaded.weights is not None:
+            attached = weights.attach(onnx_model, loaded.weights, parameter_shapes, dtype)
+            report.notes.append(f"{attached} weight tensors written from {loaded.weights.description} "
+                                "one at a time, never all in memory")
 
     with stages.stage("onnx_passes"):
-        onnx_records = run_onnx_passes(onnx_model, default_pass_list(graph_capture=profile.graph_capture))
+        onnx_records = run_onnx_passes(
+            onnx_model,
+            # int4 keeps a tied LM head's Transpose: the quantizer then stores the table once.
+            default_pass_list(graph_capture=profile.graph_capture, fold_shared_transposes=precision != "int4"),
+        )
         report.onnx_passes = [dataclasses.asdict(r) for r in onnx_records]
         try:
             report.fusions = [dataclasses.asdict(r) for r in run_fusions(onnx_model, profile.fused_ops)]

@@ -3,10 +3,16 @@ alias (through the normal Hugging Face cache), or an in-memory ``PreTrainedModel
 
 Loading is safe by default: weights come from safetensors; pickled ``.bin`` weights (which can run
 code when loaded) need an explicit opt-in, and so does a checkpoint's own Python code.
+
+A safetensors folder is not loaded into memory: the model is built with empty parameters and its
+weights are streamed into the package as it is written (``exporter.weights``). ``random_weights``
+builds any source's architecture from its config alone, with random weights drawn the same way:
+for aliases whose config ships with the exporter (``configs/``), nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,13 +21,22 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from exporter.errors import ExporterError
-from exporter.presets import PRESETS, build_preset
+from exporter.presets import PRESETS, build_preset, train_tokenizer
+from exporter.weights import (
+    RandomWeights,
+    SafetensorsWeights,
+    WeightSource,
+    parameters_on_meta,
+    tied_aliases,
+)
 
 ALIASES: dict[str, str] = {
     "gemma-4-e2b": "google/gemma-4-E2B-it",
 }
 
 _HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+# Configs shipped with the exporter, for aliases: `--random-weights` builds them offline.
+SHIPPED_CONFIGS = Path(__file__).with_name("configs")
 _CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
@@ -31,6 +46,8 @@ class LoadedModel:
     tokenizer: Any
     source: str
     notes: list[str] = field(default_factory=list)
+    # Where the weights come from when the model's parameters are empty (meta); None: in the model.
+    weights: WeightSource | None = None
 
     @property
     def generation_config(self):
@@ -41,6 +58,7 @@ class LoadedModel:
 class LoadOptions:
     allow_pickled_weights: bool = False
     trust_remote_code: bool = False
+    random_weights: bool = False
 
 
 def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions()) -> LoadedModel:
@@ -52,6 +70,8 @@ def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions(
         )
     name = str(source)
     if name in PRESETS:
+        if options.random_weights:
+            return _random(PRESETS[name].make_config(), tokenizer, f"preset {name}", options)
         model, preset_tokenizer = build_preset(name)
         return LoadedModel(model, tokenizer or preset_tokenizer, f"preset {name} (random weights)")
     path = Path(name).expanduser()
@@ -59,9 +79,11 @@ def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions(
         return _from_folder(path, tokenizer, options, f"folder {path}")
     if _looks_like_path(name):
         raise ExporterError(f"path '{name}' does not exist; check the path or run `python -m exporter list`")
+    if options.random_weights and (shipped := SHIPPED_CONFIGS / f"{name}.json").is_file():
+        return _random(_shipped_config(shipped), tokenizer, f"{name} (shipped config)", options)
     if name in ALIASES or "/" in name:
         repo_id = ALIASES.get(name, name)
-        folder = _download(repo_id)
+        folder = _download(repo_id, weights=not options.random_weights)
         return _from_folder(folder, tokenizer, options, f"hub {repo_id}")
     raise ExporterError(
         f"unknown model '{name}': not a preset, alias, folder or hub id (owner/name); "
@@ -80,11 +102,12 @@ def _from_memory(model: transformers.PreTrainedModel, tokenizer: Any) -> LoadedM
     return LoadedModel(model, tokenizer, f"in-memory {type(model).__name__}")
 
 
-def _download(repo_id: str) -> Path:
+def _download(repo_id: str, weights: bool = True) -> Path:
+    patterns = _HUB_FILE_PATTERNS if weights else [p for p in _HUB_FILE_PATTERNS if p != "*.safetensors"]
     try:
         import huggingface_hub
 
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_FILE_PATTERNS))
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as error:  # offline, unreachable, gated or unknown repo: all end the same way
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ExporterError(
@@ -111,22 +134,28 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
     architectures = list(getattr(config, "architectures", None) or [])
     _require_causal_lm(architectures[0] if architectures else None, config)
 
+    if options.random_weights:
+        loaded = _random(config, tokenizer or _folder_tokenizer(path, options), source, options)
+        loaded.model.generation_config = _generation_config(path, loaded.model.generation_config)
+        return loaded
     has_safetensors = any(path.glob("*.safetensors"))
     has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
-    if not has_safetensors:
-        if not has_pickle:
-            raise ExporterError(f"'{path}' has no weights (*.safetensors); pass a folder with the model's weights")
-        if not options.allow_pickled_weights:
-            raise ExporterError(
-                f"'{path}' has only pickled .bin weights, which can run arbitrary code when loaded; "
-                "convert them to safetensors, or pass --allow-pickled-weights if you trust the source"
-            )
+    if has_safetensors:
+        return _streamed(path, config, tokenizer, options, source)
+    if not has_pickle:
+        raise ExporterError(f"'{path}' has no weights (*.safetensors); pass a folder with the model's weights")
+    if not options.allow_pickled_weights:
+        raise ExporterError(
+            f"'{path}' has only pickled .bin weights, which can run arbitrary code when loaded; "
+            "convert them to safetensors, or pass --allow-pickled-weights if you trust the source"
+        )
 
+    # Pickled weights cannot be read one tensor at a time: the model is loaded whole.
     notes = []
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path,
-            use_safetensors=has_safetensors,
+            use_safetensors=False,
             trust_remote_code=options.trust_remote_code,
             dtype="float32",
         )
@@ -136,14 +165,75 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
         notes.append(
             f"{type(model).__name__} is multimodal: exported its language model as a text-only package"
         )
+    return LoadedModel(model.eval(), tokenizer or _folder_tokenizer(path, options), source, notes)
+
+
+def _folder_tokenizer(path: Path, options: LoadOptions):
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=options.trust_remote_code)
+    except Exception as error:
+        raise ExporterError(
+            f"cannot load a tokenizer from '{path}' ({str(error).splitlines()[0]}); add its tokenizer files"
+        ) from None
+
+
+def _empty_model(config, options: LoadOptions) -> tuple[transformers.PreTrainedModel, list[str]]:
+    """The decoder of ``config`` with parameters on meta (a multimodal config gives its text model)."""
+    notes = []
+    text = config.get_text_config(decoder=True)
+    if text is not config:
+        notes.append(f"{config.model_type} is multimodal: exported its language model as a text-only package")
+    try:
+        with parameters_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(text, trust_remote_code=options.trust_remote_code)
+    except Exception as error:
+        raise ExporterError(f"cannot build a {text.model_type} model from its config: {_first_line(error)}") from None
+    return model.eval(), notes
+
+
+def _random(config, tokenizer: Any, source: str, options: LoadOptions) -> LoadedModel:
+    model, notes = _empty_model(config, options)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    weights = RandomWeights(shapes, std=getattr(config.get_text_config(decoder=True), "initializer_range", 0.02))
     if tokenizer is None:
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=options.trust_remote_code)
-        except Exception as error:
-            raise ExporterError(
-                f"cannot load a tokenizer from '{path}' ({str(error).splitlines()[0]}); add its tokenizer files"
-            ) from None
-    return LoadedModel(model.eval(), tokenizer, source, notes)
+        tokenizer = train_tokenizer(512)
+        notes.append("tokenizer: the built-in 512-token BPE (the real tokenizer is not shipped)")
+    return LoadedModel(model, tokenizer, f"{source} ({weights.description})", notes, weights)
+
+
+def _streamed(path: Path, config, tokenizer: Any, options: LoadOptions, source: str) -> LoadedModel:
+    model, notes = _empty_model(config, options)
+    model.generation_config = _generation_config(path, model.generation_config)
+    aliases = tied_aliases(model)
+    if getattr(config, "tie_word_embeddings", False):
+        # A multimodal checkpoint ties at its top level; its text model alone may not say so.
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        head, table = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is not None and table is not None and head.weight is not table.weight:
+            aliases[names[id(head.weight)]].append(names[id(table.weight)])
+    weights = SafetensorsWeights(path, aliases)
+    for name in tied_aliases(model):
+        weights.key_of(name)  # every parameter is in the checkpoint, or a clear error now
+    return LoadedModel(model, tokenizer or _folder_tokenizer(path, options), source, notes, weights)
+
+
+def _generation_config(path: Path, default):
+    if not (path / "generation_config.json").is_file():
+        return default
+    try:
+        return transformers.GenerationConfig.from_pretrained(path)
+    except Exception as error:
+        raise ExporterError(f"cannot read {path / 'generation_config.json'}: {_first_line(error)}") from None
+
+
+def _shipped_config(path: Path):
+    values = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _require_causal_lm(architecture: str | None, config: Any) -> None:

@@ -53,3 +53,29 @@ def test_onnx_runtime_matches_pytorch(e2b_shape):
         for got, want in zip(session.run(None, feeds), expected, strict=True):
             assert got.shape == want.shape
             assert float(np.max(np.abs(got - want))) <= 1e-4
+
+
+@pytest.mark.l5
+@pytest.mark.xdist_group("webgpu")
+def test_random_weights_int4_webgpu_package_passes_check(tmp_path, capsys):
+    """The full-size path (`gemma-4-e2b --random-weights --precision int4 --ep webgpu`) at reduced
+    width: empty parameters traced, weights drawn as the package is written, 4-bit weights, then
+    `check --ep webgpu` (buffer limit, placement under graph capture, generation)."""
+    import json
+
+    from exporter.cli import main
+    from test_webgpu import _require_webgpu
+
+    _require_webgpu()
+    out = tmp_path / "e2b-shape-int4"
+    assert main(["gemma-4-e2b-shape", "--random-weights", "--ep", "webgpu", "--precision", "int4", "-o", str(out)]) == 0
+    report = json.loads((out / "export_report.json").read_text())
+    assert any(note.startswith("prefill truncation at layer 15 of 35") for note in report["notes"])
+    assert any("written from random weights" in note for note in report["notes"])
+    # Sliding layers' attention is the windowed marker on WebGPU (its GroupQueryAttention ignores
+    # the window); GroupQueryAttention writes the 15 caches and runs the full layers.
+    assert report["op_counts"]["com.microsoft.GroupQueryAttention"] == 19
+    assert report["quantization"]["tables_shared_with_lm_head"] == 1
+    capsys.readouterr()
+    assert main(["check", str(out), "--ep", "webgpu"]) == 0
+    assert "nodes run on WebGpuExecutionProvider" in capsys.readouterr().out
