@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from exporter.cli import main
 
 
@@ -62,3 +64,18 @@ def test_shared_kv_buffer_without_group_query_attention_fails(preset_exports, tm
     package = _broken_copy(preset_exports, tmp_path, edit, plain_attention=True)
     assert main(["check", str(package)]) == 1
     assert "past_present_share_buffer is on but 8 present outputs (e.g. present.0.key) are not written by GroupQueryAttention" in capsys.readouterr().out
+
+
+@pytest.mark.l1
+def test_ep_generation_may_part_only_at_a_near_tie():
+    import numpy as np
+
+    from exporter.check import _compare_generations
+
+    logits = [np.array([0.0, 5.0, 4.9, 1.0]), np.array([3.0, 0.0, 0.0, 2.0])]
+    assert _compare_generations([1, 0], logits, [1, 0], "fp32") == (True, "")
+    agree, why = _compare_generations([1, 0], logits, [2, 3], "fp16")  # step 0: 5.0 vs 4.9
+    assert agree and "near tie" in why
+    agree, why = _compare_generations([1, 0], logits, [1, 3], "fp16")  # step 1: 3.0 vs 2.0
+    assert not agree and "from step 1" in why
+    assert not _compare_generations([1, 0], logits, [2, 3], "fp32")[0]
