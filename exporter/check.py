@@ -196,8 +196,8 @@ def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray
     generator.append_tokens(prompt)
     logits = []
     while not generator.is_done():
-        logits.append(np.asarray(generator.get_output("logits"), dtype=np.float32).reshape(-1)[-vocab:])
-        generator.generate_next_token()
+        generator.generate_next_token()  # runs the model on the last token, then picks from its logits
+        logits.append(np.array(generator.get_output("logits"), dtype=np.float32).reshape(-1)[-vocab:])
     return generator.get_sequence(0)[prompt.shape[1] :].tolist(), logits
 
 
