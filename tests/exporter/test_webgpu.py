@@ -45,8 +45,10 @@ def webgpu_exports(preset_exports, tmp_path_factory):
     graph capture."""
     cpu = preset_exports.get("tiny-gemma-4")
     root = tmp_path_factory.mktemp("webgpu")
-    captured = export(cpu.model, cpu.tokenizer, ep="webgpu", output_dir=root / "captured")
-    uncaptured = export(cpu.model, cpu.tokenizer, ep="webgpu", graph_capture=False, output_dir=root / "uncaptured")
+    # fp32, as the cpu package: the generation test compares tokens exactly (fp16 is test_precisions').
+    captured = export(cpu.model, cpu.tokenizer, ep="webgpu", precision="fp32", output_dir=root / "captured")
+    uncaptured = export(cpu.model, cpu.tokenizer, ep="webgpu", precision="fp32", graph_capture=False,
+                        output_dir=root / "uncaptured")
     return cpu, captured, uncaptured
 
 
@@ -74,7 +76,7 @@ def test_graph_capture_export_fails_when_cpu_nodes_remain(preset_exports, tmp_pa
     """Without the constant-Reshape rewrite the graph keeps shape arithmetic: the export must say
     so, name the nodes, and leave nothing behind."""
     exported = preset_exports.get("tiny-gemma-4")
-    monkeypatch.setattr(pipeline, "default_pass_list", lambda graph_capture: onnx_passes.default_pass_list(False))
+    monkeypatch.setattr(pipeline, "default_pass_list", lambda graph_capture, **options: onnx_passes.default_pass_list(False, **options))
     with pytest.raises(ExporterError, match=r"captures the decoder's graph, but \d+ nodes would run on the CPU "
                                             r"\(Shape .*--no-graph-capture"):
         export(exported.model, exported.tokenizer, ep="webgpu", output_dir=tmp_path / "out")
