@@ -8,7 +8,8 @@ loads in ONNX Runtime GenAI, an ONNX Runtime session with the profile's provider
 provider options (graph capture included) places every node (on the EP, or the CPU where the
 profile allows), and a short greedy generation runs on the CPU and, where the EP is installed,
 gives the same tokens on the EP. Checks that need an EP this machine lacks are reported as
-skipped.
+skipped. With ``--against SOURCE``, the package is also compared with transformers running the
+source (``exporter.check_against``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -47,7 +49,9 @@ class _Context:
         self.graph = onnx.load(str(self.model_path), load_external_data=False)
 
 
-def check_package(package: Path, profile: EpProfile) -> list[Finding]:
+def check_package(package: Path, profile: EpProfile, against: Any = None) -> list[Finding]:
+    """The checks below; with ``against`` (a preset, folder, hub id, alias or in-memory model) also
+    the package against transformers on that source (``exporter.check_against``)."""
     package = Path(package)
     missing = [name for name in (GENAI_CONFIG_FILENAME,) if not (package / name).is_file()]
     if not package.is_dir() or missing:
@@ -62,6 +66,16 @@ def check_package(package: Path, profile: EpProfile) -> list[Finding]:
             findings.extend(check(context))
         except Exception as error:
             findings.append(Finding(check.__name__.removeprefix("_check_"), False, f"{type(error).__name__}: {error}"))
+    if against is not None:
+        from exporter.check_against import compare_with_source
+        from exporter.errors import ExporterError
+
+        try:
+            findings += [Finding(*result) for result in compare_with_source(package, against, _precision(context))]
+        except ExporterError as error:
+            findings.append(Finding("source", False, str(error)))
+        except Exception as error:  # the comparison could not run: a failure, said in one line
+            findings.append(Finding("source", False, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"))
     return findings
 
 
@@ -182,23 +196,12 @@ def _check_session(context: _Context) -> Iterator[Finding]:
 
 def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray]]:
     """Greedy tokens and, for each, the logits it was chosen from."""
-    import onnxruntime_genai as og
+    from exporter.check_against import greedy_with_logits
 
-    config = og.Config(str(context.package))
-    if on_cpu:
-        config.clear_providers()
-    model = og.Model(config)
     vocab = context.config["model"]["vocab_size"]
-    prompt = np.array([[t % vocab for t in (2, 17, 42, 5, 99)]], dtype=np.int32)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=prompt.shape[1] + SMOKE_TOKENS, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt)
-    logits = []
-    while not generator.is_done():
-        generator.generate_next_token()  # runs the model on the last token, then picks from its logits
-        logits.append(np.array(generator.get_output("logits"), dtype=np.float32).reshape(-1)[-vocab:])
-    return generator.get_sequence(0)[prompt.shape[1] :].tolist(), logits
+    prompt = [t % vocab for t in (2, 17, 42, 5, 99)]
+    generation = greedy_with_logits(context.package, [prompt], SMOKE_TOKENS, on_cpu=on_cpu)[0]
+    return generation.tokens, generation.logits
 
 
 # How far below the CPU's best logit the EP's token may be where the two first part: EPs sum

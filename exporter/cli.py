@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m exporter",
         description="Export a Hugging Face decoder LM to an ONNX Runtime GenAI package.",
         epilog="Other commands: `python -m exporter list` shows presets, aliases and EPs; "
-        "`python -m exporter check PACKAGE --ep EP [--json]` checks a package.",
+        "`python -m exporter check PACKAGE --ep EP [--against SOURCE] [--json]` checks a package.",
     )
     parser.add_argument(
         "model",
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="build the model's architecture from its config with random weights (no weights "
                              "downloaded or read; gemma-4-e2b's config ships with the exporter): for checking "
                              "full-size packages offline")
+    parser.add_argument("--strict", action="store_true",
+                        help="fail if the checkpoint holds a tensor the export would not read (renamed or "
+                             "unconverted keys); by default the report and a note list them")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the checkpoint's own Python code (transformers' trust_remote_code)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on failure")
@@ -133,6 +136,9 @@ def _check(argv: list[str]) -> int:
     )
     parser.add_argument("package", type=Path, help="package folder (with genai_config.json)")
     parser.add_argument("--ep", default="cpu", metavar="EP", help="EP profile to check against (default: cpu)")
+    parser.add_argument("--against", metavar="SOURCE",
+                        help="also compare the package's logits and greedy tokens with transformers running "
+                             "SOURCE (the preset, folder, hub id or alias it was exported from)")
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     args = parser.parse_args(argv)
     try:
@@ -140,7 +146,7 @@ def _check(argv: list[str]) -> int:
     except UnknownProfileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    findings = check_package(args.package, profile)
+    findings = check_package(args.package, profile, against=args.against)
     print(findings_to_json(findings) if args.json else format_findings(findings))
     return 0 if all(f.passed for f in findings) else 1
 
@@ -190,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             full_logits=args.full_logits,
             allow_pickled_weights=args.allow_pickled_weights,
             random_weights=args.random_weights,
+            strict=args.strict,
             trust_remote_code=args.trust_remote_code,
             int4=int4,
             on_stage=_Progress(),

@@ -100,9 +100,16 @@ def build_genai_config(
             "num_beams": 1,
             "num_return_sequences": 1,
             "past_present_share_buffer": share_kv_buffer,
-            "repetition_penalty": float(getattr(generation_config, "repetition_penalty", None) or 1.0),
-            "temperature": float(getattr(generation_config, "temperature", None) or 1.0),
-            "top_k": int(getattr(generation_config, "top_k", None) or 50),
-            "top_p": float(getattr(generation_config, "top_p", None) or 1.0),
+            "repetition_penalty": float(_setting(generation_config, "repetition_penalty", 1.0)),
+            "temperature": float(_setting(generation_config, "temperature", 1.0)),
+            # transformers' top_k 0 means no top-k filter: all of the vocabulary.
+            "top_k": int(_setting(generation_config, "top_k", 50)) or layout.vocab_size,
+            "top_p": float(_setting(generation_config, "top_p", 1.0)),
         },
     }
+
+
+def _setting(generation_config, name: str, default):
+    """A generation setting, or transformers' default where it is unset (a set 0 stays 0)."""
+    value = getattr(generation_config, name, None)
+    return default if value is None else value

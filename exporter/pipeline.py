@@ -18,6 +18,7 @@ import torch
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter import graph_capture_check, package, weights
+from exporter.compute_dtype import cast_like_from_pretrained
 from exporter.errors import ExporterError
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
@@ -64,6 +65,7 @@ def export(
     allow_pickled_weights: bool = False,
     trust_remote_code: bool = False,
     random_weights: bool = False,
+    strict: bool = False,
     int4: Int4Options | None = None,
     on_stage: Callable[[str, StageRecord | None], None] | None = None,
 ) -> ExportedPackage:
@@ -77,9 +79,10 @@ def export(
     for each sequence's last token only (what generation reads); ``full_logits=True`` keeps all
     positions, for scoring. ``on_stage(name, record)`` is called with ``record=None`` when a
     stage starts and with its timings when it ends. ``random_weights`` builds the source's
-    architecture from its config with random weights (no weights downloaded or read). ``int4`` sets block size, symmetry and
-    accuracy level for ``precision="int4"`` (default: ``Int4Options`` with the profile's accuracy
-    level).
+    architecture from its config with random weights (no weights downloaded or read). ``strict``
+    makes a checkpoint tensor the export would not read an error (by default the report lists
+    them). ``int4`` sets block size, symmetry and accuracy level for ``precision="int4"``
+    (default: ``Int4Options`` with the profile's accuracy level).
     """
     try:
         profile = ep if isinstance(ep, EpProfile) else get_profile(ep)
@@ -98,15 +101,16 @@ def export(
 
     stages = StageLog(on_stage)
     with stages.stage("load"):
-        loaded = load(model, tokenizer, LoadOptions(allow_pickled_weights, trust_remote_code, random_weights))
+        loaded = load(model, tokenizer, LoadOptions(allow_pickled_weights, trust_remote_code, random_weights, strict))
         hf_model = loaded.model
         dtype = compute_dtype(profile, precision)
         if loaded.weights is not None:
-            hf_model.to(dtype)  # empty parameters, built for this export: nothing to copy
+            cast_like_from_pretrained(hf_model, dtype)  # empty parameters, built for this export: no copy
             hf_model.tie_weights()  # converting meta parameters replaces them, untying a tied LM head
         elif any(p.dtype != dtype for p in hf_model.parameters()):
             # A copy: an in-memory model belongs to the caller (often mid-training) and keeps its dtype.
-            hf_model = copy.deepcopy(hf_model).to(dtype)
+            hf_model = copy.deepcopy(hf_model)
+            cast_like_from_pretrained(hf_model, dtype)
             loaded.notes.append(f"weights converted to {str(dtype).removeprefix('torch.')} for tracing (a copy; the model is unchanged)")
         try:
             layout = derive_layout(hf_model)
@@ -115,8 +119,11 @@ def export(
                 f"{type(hf_model).__name__} could not run with a KV cache ({_first_line(error)}); "
                 "only decoder LMs with a transformers KV cache can be exported"
             ) from None
-        # Parameters without data are traced as fake tensors; their values arrive when written.
-        parameter_shapes = weights.fake_parameters(hf_model) if loaded.weights is not None else None
+        # Tensors without data (and a checkpoint's persistent buffers) are traced as fake
+        # tensors; their values arrive when the package is written.
+        if loaded.weights is not None:
+            saved_shapes = {name: tuple(t.shape) for name, t in hf_model.state_dict(keep_vars=True).items()}
+            weights.fake_weights(hf_model, buffers=loaded.weights.provides_buffers)
 
     report = ExportReport(
         source=loaded.source,
@@ -148,9 +155,13 @@ def export(
         onnx_model = _run_step("lowering to ONNX", lower, program, sample_inputs, layout)
         del program
         if loaded.weights is not None:
-            attached = weights.attach(onnx_model, loaded.weights, parameter_shapes, dtype)
+            attached, read = weights.attach(onnx_model, loaded.weights, saved_shapes)
             report.notes.append(f"{attached} weight tensors written from {loaded.weights.description} "
                                 "one at a time, never all in memory")
+            unread = loaded.weights.unread(read)
+            if strict and unread.unexplained:
+                raise ExporterError(f"--strict: {unread.notes()[0]}")
+            report.notes += unread.notes()
 
     with stages.stage("onnx_passes"):
         onnx_records = run_onnx_passes(

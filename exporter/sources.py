@@ -12,6 +12,7 @@ for aliases whose config ships with the exporter (``configs/``), nothing is down
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from exporter.presets import PRESETS, build_preset, train_tokenizer
 from exporter.weights import (
     RandomWeights,
     SafetensorsWeights,
+    UnreadTensors,
     WeightSource,
     parameters_on_meta,
     tied_aliases,
@@ -59,6 +61,8 @@ class LoadOptions:
     allow_pickled_weights: bool = False
     trust_remote_code: bool = False
     random_weights: bool = False
+    # A checkpoint tensor the export would not read is an error, not a note.
+    strict: bool = False
 
 
 def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions()) -> LoadedModel:
@@ -136,7 +140,7 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
 
     if options.random_weights:
         loaded = _random(config, tokenizer or _folder_tokenizer(path, options), source, options)
-        loaded.model.generation_config = _generation_config(path, loaded.model.generation_config)
+        loaded.model.generation_config = _generation_config(path, config)
         return loaded
     has_safetensors = any(path.glob("*.safetensors"))
     has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
@@ -183,6 +187,10 @@ def _empty_model(config, options: LoadOptions) -> tuple[transformers.PreTrainedM
     text = config.get_text_config(decoder=True)
     if text is not config:
         notes.append(f"{config.model_type} is multimodal: exported its language model as a text-only package")
+        # transformers ties a multimodal model's LM head by the top-level flag, whatever the text
+        # config says; the text model alone must tie (or not) the same way.
+        text = copy.deepcopy(text)
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     try:
         with parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(text, trust_remote_code=options.trust_remote_code)
@@ -203,7 +211,7 @@ def _random(config, tokenizer: Any, source: str, options: LoadOptions) -> Loaded
 
 def _streamed(path: Path, config, tokenizer: Any, options: LoadOptions, source: str) -> LoadedModel:
     model, notes = _empty_model(config, options)
-    model.generation_config = _generation_config(path, model.generation_config)
+    model.generation_config = _generation_config(path, config)
     aliases = tied_aliases(model)
     if getattr(config, "tie_word_embeddings", False):
         # A multimodal checkpoint ties at its top level; its text model alone may not say so.
@@ -212,14 +220,40 @@ def _streamed(path: Path, config, tokenizer: Any, options: LoadOptions, source: 
         if head is not None and table is not None and head.weight is not table.weight:
             aliases[names[id(head.weight)]].append(names[id(table.weight)])
     weights = SafetensorsWeights(path, aliases)
-    for name in tied_aliases(model):
-        weights.key_of(name)  # every parameter is in the checkpoint, or a clear error now
+    # Every saved tensor, parameters and persistent buffers alike, is in the checkpoint with its
+    # shape, or a clear error now.
+    weights.match(model.state_dict(keep_vars=True))
+    if config.get_text_config(decoder=True) is not config:
+        weights.left_out = frozenset(_full_model_keys(config, options)) & set(weights.unmatched_keys())
+        weights.left_out_why = "the multimodal model's other parts, which a text-only package does not use"
+    if options.strict and (unmatched := weights.unmatched_keys()):
+        raise ExporterError(f"--strict: {UnreadTensors(unmatched=tuple(unmatched)).notes()[0]} (in {path})")
     return LoadedModel(model, tokenizer or _folder_tokenizer(path, options), source, notes, weights)
 
 
-def _generation_config(path: Path, default):
+def _full_model_keys(config, options: LoadOptions) -> list[str]:
+    """The saved tensor names of the checkpoint's whole architecture (a multimodal one's towers
+    too), from a model with every tensor on meta."""
+    from accelerate import init_empty_weights
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    try:
+        with init_empty_weights(include_buffers=True):
+            if model_class is not None:
+                full = model_class(config)
+            else:
+                full = transformers.AutoModel.from_config(config, trust_remote_code=options.trust_remote_code)
+    except Exception:  # cannot build it: every unread tensor stays unexplained
+        return []
+    return list(full.state_dict().keys())
+
+
+def _generation_config(path: Path, config):
+    """The folder's generation_config.json, else what transformers derives from its whole config
+    (a multimodal one's top-level eos ids, not its text model's defaults)."""
     if not (path / "generation_config.json").is_file():
-        return default
+        return transformers.GenerationConfig.from_model_config(config)
     try:
         return transformers.GenerationConfig.from_pretrained(path)
     except Exception as error:

@@ -4,13 +4,20 @@ each ONNX initializer its values lazily, read or drawn when the package is writt
 Gemma 4 E2B has 5.1 B parameters (20 GiB in fp32, 10 GiB in fp16); a 24 GiB machine cannot hold
 them next to the traced program and their converted copies. So for a checkpoint folder (and for
 ``--random-weights``) the model is built with its parameters on the meta device
-(``accelerate.init_empty_weights``; buffers such as rotary frequencies stay real, passes evaluate
-them), traced with fake parameters, and after lowering every weight initializer becomes an
-``onnx_ir.LazyTensor`` that reads its tensor from the safetensors files (only the slice a split
-piece needs) or draws it, at the moment ``onnx_ir.save`` writes it. Each weight is materialised
-once, at the package's precision; later lazy steps (transpose, int4 blocks) chain on it.
+(``accelerate.init_empty_weights``; buffers stay real), traced with fake tensors, and after
+lowering every weight initializer becomes an ``onnx_ir.LazyTensor`` that reads its tensor from the
+safetensors files (only the slice a split piece needs) or draws it, at the moment ``onnx_ir.save``
+writes it. Each weight is materialised once, at the package's precision; later lazy steps
+(transpose, int4 blocks) chain on it.
 
-Initializer names are the program's state-dict targets: ``model.`` + the transformers parameter
+"Weights" are everything the model saves: its ``state_dict()``, parameters and persistent buffers
+(Gemma 4's ``layer_scalar``). A checkpoint's persistent buffers are read like its parameters;
+non-persistent buffers (rotary tables, embedding scales) are computed from the config and stay as
+built. Every saved tensor must be in the checkpoint with its shape, and every checkpoint tensor must
+be read, be a tied duplicate, or belong to a part of the model the export leaves out on purpose:
+what is left over is reported (an error under ``strict``).
+
+Initializer names are the program's state-dict targets: ``model.`` + the transformers tensor
 name, and for a weight the split pass cut, ``<target>.use<U>.part<P>`` (pieces in order along
 one axis).
 """
@@ -24,6 +31,7 @@ import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -39,11 +47,49 @@ _TARGET_PREFIX = "model."  # the trace wrapper holds the HF model as ``model``
 Index = tuple[slice, ...] | None
 
 
+@dataclass(frozen=True)
+class UnreadTensors:
+    """Checkpoint tensors an export did not read, by why."""
+
+    unmatched: tuple[str, ...] = ()  # no saved tensor of the model has this key: renamed, unconverted?
+    unused: tuple[str, ...] = ()  # a tensor of the model the traced graph never reads
+    left_out: tuple[str, ...] = ()  # a part of the checkpoint the export leaves out on purpose
+    left_out_why: str = ""
+
+    @property
+    def unexplained(self) -> tuple[str, ...]:
+        return self.unmatched + self.unused
+
+    def notes(self) -> list[str]:
+        notes = []
+        if self.unmatched:
+            notes.append("checkpoint tensors that match no tensor of the model, not read (renamed or unconverted "
+                         f"keys?): {len(self.unmatched)}: {_names(self.unmatched)}")
+        if self.unused:
+            notes.append("checkpoint tensors of model tensors the exported graph never reads: "
+                         f"{len(self.unused)}: {_names(self.unused)}")
+        if self.left_out:
+            notes.append(f"checkpoint tensors left out, {self.left_out_why}: {len(self.left_out)}")
+        return notes
+
+
+def _names(keys, shown: int = 6) -> str:
+    listed = ", ".join(keys[:shown])
+    return listed + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+
 class WeightSource(Protocol):
     description: str
+    # Whether persistent buffers come from the source too (a checkpoint), or keep the values the
+    # model was built with (random weights: init values are what a fresh model has).
+    provides_buffers: bool
 
     def tensor(self, name: str, index: Index, dtype: torch.dtype) -> torch.Tensor:
-        """Parameter ``name`` (transformers' name), or the slice ``index`` of it, in ``dtype``."""
+        """Saved tensor ``name`` (transformers' name), or the slice ``index`` of it, in ``dtype``."""
+        ...
+
+    def unread(self, read: set[str]) -> UnreadTensors:
+        """What the source holds beyond the saved tensors ``read`` by the exported graph."""
         ...
 
 
@@ -56,26 +102,33 @@ def parameters_on_meta() -> Iterator[None]:
         yield
 
 
-def fake_parameters(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """Swap each meta parameter for a fake CPU tensor (torch.export traces through it; tied
-    parameters stay one object). Returns every parameter name's shape, aliases included."""
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's own buffers that ``state_dict()`` saves."""
+    return [(name, buffer) for name, buffer in module._buffers.items()
+            if buffer is not None and name not in module._non_persistent_buffers_set]
+
+
+def fake_weights(model: torch.nn.Module, buffers: bool) -> None:
+    """Swap each meta parameter, and with ``buffers`` each persistent buffer, for a fake CPU tensor
+    of its shape and dtype: torch.export traces through them, and their values arrive when the
+    package is written. Tied tensors stay one object."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    swapped: dict[int, torch.nn.Parameter] = {}
+    swapped: dict[int, torch.Tensor] = {}
+
+    def fake_of(tensor: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(tensor) not in swapped:
+            with mode:
+                fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            swapped[id(tensor)] = torch.nn.Parameter(fake, requires_grad=False) if parameter else fake
+        return swapped[id(tensor)]
+
     for module in model.modules():
         for name, parameter in list(module._parameters.items()):
-            if parameter is None or parameter.device.type != "meta":
-                continue
-            if id(parameter) not in swapped:
-                with mode:
-                    fake = torch.empty(parameter.shape, dtype=parameter.dtype, device="cpu")
-                swapped[id(parameter)] = torch.nn.Parameter(fake, requires_grad=False)
-            module._parameters[name] = swapped[id(parameter)]
-    return shapes
-
-
-def has_meta_parameters(model: torch.nn.Module) -> bool:
-    return any(p.device.type == "meta" for p in model.parameters())
+            if parameter is not None and parameter.device.type == "meta":
+                module._parameters[name] = fake_of(parameter, parameter=True)
+        if buffers:
+            for name, buffer in persistent_buffers(module):
+                module._buffers[name] = fake_of(buffer, parameter=False)
 
 
 class RandomWeights:
@@ -85,7 +138,11 @@ class RandomWeights:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], std: float, seed: int = 0):
         self.shapes, self.std, self.seed = shapes, std, seed
+        self.provides_buffers = False
         self.description = f"random weights (N(0, {std}) matrices, unit norm scales, seed {seed})"
+
+    def unread(self, read: set[str]) -> UnreadTensors:
+        return UnreadTensors()  # nothing is stored: every tensor is drawn when read
 
     def tensor(self, name: str, index: Index, dtype: torch.dtype) -> torch.Tensor:
         shape = _sliced_shape(self.shapes[name], index)
@@ -98,10 +155,12 @@ class RandomWeights:
 class SafetensorsWeights:
     """A checkpoint folder's ``*.safetensors`` (sharded or not), read one tensor or slice at a time.
 
-    A parameter is found under its own name, an alias of it (tied weights), or, for a text model
+    A saved tensor is found under its own name, an alias of it (tied weights), or, for a text model
     taken out of a multimodal checkpoint, the one key that ends with the name's path below the
     top module (``model.layers.0...`` in ``model.language_model.layers.0...``).
     """
+
+    provides_buffers = True
 
     def __init__(self, folder: Path, aliases: dict[str, list[str]]):
         from safetensors import safe_open
@@ -115,10 +174,67 @@ class SafetensorsWeights:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
         self.handles = {name: safe_open(str(folder / name), framework="pt") for name in files}
         self.file_of = {key: name for name, handle in self.handles.items() for key in handle.keys()}
+        self.key_for: dict[str, str] = {}  # saved tensor name -> checkpoint key, once matched
+        # Keys of parts of the checkpoint the export leaves out on purpose, and why.
+        self.left_out: frozenset[str] = frozenset()
+        self.left_out_why = ""
+
+    def match(self, saved: dict[str, torch.Tensor]) -> None:
+        """Find the key of every saved tensor (``state_dict(keep_vars=True)``; meta tensors will
+        do) and check its shape and dtype: a missing, misshapen or unconvertible tensor is a
+        one-line error now, before anything is traced or written."""
+        for name, tensor in saved.items():
+            key = self.key_of(name)
+            found = self.handles[self.file_of[key]].get_slice(key)
+            stored, wanted = tuple(found.get_shape()), tuple(tensor.shape)
+            where = f"checkpoint tensor '{key}' in {self.folder / self.file_of[key]}"
+            if stored != wanted:
+                raise ExporterError(
+                    f"{where} has shape {list(stored)}, the model's '{name}' needs {list(wanted)}; "
+                    "is it the checkpoint of this config?"
+                )
+            if (found.get_dtype() in _FLOAT_DTYPES) != tensor.is_floating_point():
+                raise ExporterError(
+                    f"{where} is {found.get_dtype()}, which cannot become the model's {tensor.dtype} '{name}'"
+                )
+        self._check_tied_copies_agree()
+
+    def _check_tied_copies_agree(self) -> None:
+        """A tied tensor saved under two keys must hold one value: the graph reads one of them."""
+        for name, names in self.aliases.items():
+            keys = sorted({self.key_for[n] for n in names if n in self.key_for})
+            if name != names[0] or len(keys) < 2:
+                continue
+            first = self.handles[self.file_of[keys[0]]].get_tensor(keys[0])
+            for key in keys[1:]:
+                if not torch.equal(first, self.handles[self.file_of[key]].get_tensor(key)):
+                    raise ExporterError(
+                        f"the checkpoint in {self.folder} holds different values under '{keys[0]}' and '{key}', "
+                        "which the config ties into one tensor; set tie_word_embeddings to false in its "
+                        "config.json to export them as two"
+                    )
+
+    def unmatched_keys(self) -> list[str]:
+        """Checkpoint keys no saved tensor of the model has (a tied duplicate, the same tensor
+        saved under an alias, is had), less the parts left out on purpose."""
+        names = set(self.key_for) | {alias for name in self.key_for for alias in self.aliases.get(name, ())}
+        had = set(self.key_for.values()) | (names & set(self.file_of))
+        return sorted(set(self.file_of) - had - self.left_out)
+
+    def unread(self, read: set[str]) -> UnreadTensors:
+        # A tied tensor is read under any of its names, and every key its names have is read with it.
+        read_names = {alias for name in read for alias in self.aliases.get(name, [name])}
+        read_keys = {self.key_for[name] for name in read_names if name in self.key_for} | (read_names & set(self.file_of))
+        unused = sorted({key for name, key in self.key_for.items() if key not in read_keys})
+        left_out = sorted(self.left_out)
+        return UnreadTensors(tuple(self.unmatched_keys()), tuple(unused), tuple(left_out), self.left_out_why)
 
     def key_of(self, name: str) -> str:
+        if name in self.key_for:
+            return self.key_for[name]
         for candidate in self.aliases.get(name, [name]):
             if candidate in self.file_of:
+                self.key_for[name] = candidate
                 return candidate
         for candidate in self.aliases.get(name, [name]):
             tail = "." + candidate.split(".", 1)[-1]
@@ -126,14 +242,15 @@ class SafetensorsWeights:
             if len(matches) > 1:  # e.g. a vision tower's layers too: the text model's prefix wins
                 matches = [key for key in matches if key.removesuffix(tail) == self._text_prefix()]
             if len(matches) == 1:
+                self.key_for[name] = matches[0]
                 return matches[0]
         raise ExporterError(
-            f"the checkpoint in {self.folder} has no tensor for parameter '{name}'; "
+            f"the checkpoint in {self.folder} has no tensor for '{name}'; "
             "is it the checkpoint of this config?"
         )
 
     def _text_prefix(self) -> str | None:
-        """The prefix under which most of the model's parameters sit in the checkpoint, judged by
+        """The prefix under which most of the model's tensors sit in the checkpoint, judged by
         the names that match one key only (``model.language_model`` in a multimodal one)."""
         if not hasattr(self, "_prefix"):
             prefixes = collections.Counter()
@@ -152,31 +269,39 @@ class SafetensorsWeights:
         return values.to(dtype)
 
 
+# safetensors' dtype names of the floating types (torch converts any of them to any other).
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
 def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Every parameter name -> the names of the same tensor (itself first)."""
+    """Every saved tensor name -> the names of the same tensor (itself first)."""
     groups: dict[int, list[str]] = collections.defaultdict(list)
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        groups[id(parameter)].append(name)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups[id(tensor)].append(name)
     return {name: [name, *(n for n in names if n != name)] for names in groups.values() for name in names}
 
 
-def attach(model: ir.Model, source: WeightSource, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> int:
-    """Give every fake-valued initializer a lazy tensor from ``source``; returns how many."""
-    count = 0
-    for name, (parameter, index) in _recipes(model, shapes).items():
+def attach(model: ir.Model, source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> tuple[int, set[str]]:
+    """Give every fake-valued initializer a lazy tensor from ``source``, in the initializer's own
+    dtype (a parameter's is the export's compute dtype; an integer buffer stays integer). Returns
+    how many initializers, and the saved tensor names they read."""
+    read = set()
+    recipes = _recipes(model, shapes)
+    for name, (tensor_name, index) in recipes.items():
         value = model.graph.initializers[name]
         placeholder = value.const_value
+        dtype = placeholder.raw.dtype
 
-        def materialise(parameter=parameter, index=index, name=name) -> ir.TensorProtocol:
-            return _to_ir(source.tensor(parameter, index, dtype), name)
+        def materialise(tensor_name=tensor_name, index=index, name=name, dtype=dtype) -> ir.TensorProtocol:
+            return _to_ir(source.tensor(tensor_name, index, dtype), name)
 
         value.const_value = ir.LazyTensor(materialise, dtype=placeholder.dtype, shape=placeholder.shape, name=name)
-        count += 1
-    return count
+        read.add(tensor_name)
+    return len(recipes), read
 
 
 def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, Index]]:
-    """initializer name -> (parameter name, slice of it or None)."""
+    """initializer name -> (saved tensor name, slice of it or None)."""
     recipes: dict[str, tuple[str, Index]] = {}
     pieces: dict[tuple[str, str], list[tuple[int, str, tuple[int, ...]]]] = collections.defaultdict(list)
     for name, value in model.graph.initializers.items():
@@ -187,25 +312,25 @@ def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]]) -> dict[str, t
             shape = tuple(value.const_value.shape.numpy())
             pieces[(match["source"], match["use"])].append((int(match["part"]), name, shape))
         else:
-            recipes[name] = (_parameter_name(name, shapes), None)
+            recipes[name] = (_tensor_name(name, shapes), None)
     for (target, _), parts in pieces.items():
-        parameter = _parameter_name(target, shapes)
-        whole = shapes[parameter]
+        tensor_name = _tensor_name(target, shapes)
+        whole = shapes[tensor_name]
         parts.sort()
         axis = next(a for a in range(len(whole)) if parts[0][2][a] != whole[a])
         start = 0
         for _, name, shape in parts:
-            recipes[name] = (parameter, (slice(None),) * axis + (slice(start, start + shape[axis]),))
+            recipes[name] = (tensor_name, (slice(None),) * axis + (slice(start, start + shape[axis]),))
             start += shape[axis]
         if start != whole[axis]:
             raise RuntimeError(f"pieces of {target} cover {start} of {whole[axis]} along axis {axis}")
     return recipes
 
 
-def _parameter_name(target: str, shapes) -> str:
+def _tensor_name(target: str, shapes) -> str:
     name = target.removeprefix(_TARGET_PREFIX)
     if name not in shapes:
-        raise RuntimeError(f"initializer {target} is no parameter of the model")
+        raise RuntimeError(f"initializer {target} is no saved tensor of the model")
     return name
 
 

@@ -1,5 +1,10 @@
-"""Shared fixtures: each preset is exported once per test session and reused by every test that
-reads its package (exports cost 5-20 s each on 2 cores)."""
+"""Shared fixtures: each family's test checkpoint is built and exported once per test session and
+reused by every test that reads its package (exports cost 5-20 s each on 2 cores).
+
+A family's test checkpoint is its preset with every saved tensor that init leaves constant moved
+away from that constant (``helpers.checkpoints``), saved by ``save_pretrained``; the reference
+model is what transformers loads back from that folder. Packages are exported from the folder
+(weights streamed, as a user's checkpoint) or from the loaded model in memory."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ep_profiles import get_profile
 from exporter import ExportedPackage, export
-from exporter.presets import build_preset
+from helpers.checkpoints import perturbed_preset_checkpoint
 
 # The CPU profile without GroupQueryAttention: transformers' own attention (MatMul/Softmax), the
 # form a profile that cannot run GroupQueryAttention exports.
@@ -32,26 +37,49 @@ FAMILIES = [
 ]
 
 
+# Where a package's weights come from: the checkpoint folder (streamed) or the model in memory.
+SOURCES = ("folder", "memory")
+
+
+@dataclass
+class Checkpoint:
+    folder: Path
+    model: object  # what transformers' from_pretrained loads from the folder: the reference
+    tokenizer: object
+
+
 @dataclass
 class ExportedPreset:
     name: str
     package: ExportedPackage
-    model: object  # the HF model the package was exported from
+    model: object  # the reference model (transformers' load of the checkpoint)
     tokenizer: object
+    checkpoint: Path  # the test checkpoint folder
 
 
 class PresetExports:
     def __init__(self, root: Path):
         self.root = root
+        self._checkpoints: dict[str, Checkpoint] = {}
         self._cache: dict[str, ExportedPreset] = {}
 
-    def get(self, name: str, plain_attention: bool = False) -> ExportedPreset:
-        key = f"{name}-plain-attention" if plain_attention else name
+    def checkpoint(self, name: str) -> Checkpoint:
+        if name not in self._checkpoints:
+            folder = self.root / "checkpoints" / name
+            model, tokenizer = perturbed_preset_checkpoint(name, folder)
+            self._checkpoints[name] = Checkpoint(folder, model, tokenizer)
+        return self._checkpoints[name]
+
+    def get(self, name: str, plain_attention: bool = False, source: str = "folder") -> ExportedPreset:
+        key = f"{name}-{source}" + ("-plain-attention" if plain_attention else "")
         if key not in self._cache:
-            model, tokenizer = build_preset(name)
+            checkpoint = self.checkpoint(name)
             profile = PLAIN_ATTENTION_CPU if plain_attention else "cpu"
-            package = export(model, tokenizer, ep=profile, output_dir=self.root / key)
-            self._cache[key] = ExportedPreset(name, package, model, tokenizer)
+            if source == "folder":
+                package = export(str(checkpoint.folder), ep=profile, output_dir=self.root / key)
+            else:
+                package = export(checkpoint.model, checkpoint.tokenizer, ep=profile, output_dir=self.root / key)
+            self._cache[key] = ExportedPreset(name, package, checkpoint.model, checkpoint.tokenizer, checkpoint.folder)
         return self._cache[key]
 
 
@@ -60,19 +88,20 @@ def preset_exports(tmp_path_factory) -> PresetExports:
     return PresetExports(tmp_path_factory.mktemp("presets"))
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=[(f, s) for f in FAMILIES for s in SOURCES], ids=lambda p: f"{p[0]}-{p[1]}")
 def family_export(request, preset_exports) -> ExportedPreset:
-    return preset_exports.get(request.param)
+    family, source = request.param
+    return preset_exports.get(family, source=source)
 
 
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (--dist loadgroup), keep every test of one family on one worker, so each
-    preset is exported once per run rather than once per worker."""
+    checkpoint is built and exported once per run rather than once per worker."""
     for item in items:
         callspec = getattr(item, "callspec", None)
-        family = callspec.params.get("family_export") if callspec else None
-        if family is not None:
-            item.add_marker(pytest.mark.xdist_group(family))
+        param = callspec.params.get("family_export") if callspec else None
+        if param is not None:
+            item.add_marker(pytest.mark.xdist_group(param[0]))
 
 
 def pytest_configure(config):

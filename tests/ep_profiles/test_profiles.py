@@ -74,3 +74,17 @@ def test_genai_config_follows_the_profile(preset_exports):
     cuda = build_genai_config(layout, get_profile("cuda"), generation, ["input_ids"], "model.onnx", layout.context_length)
     assert cuda["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
     assert cuda["model"]["context_length"] == layout.context_length
+
+
+def test_generation_settings_keep_a_set_zero(preset_exports):
+    """transformers' top_k 0 means no top-k filter, and an explicit 0 is not "unset"."""
+    import transformers
+
+    from exporter.genai_config import build_genai_config
+
+    layout = preset_exports.get("tiny-gemma-4").package.layout
+    generation = transformers.GenerationConfig(top_k=0, top_p=0.9, temperature=0.7, do_sample=True, eos_token_id=[1, 106])
+    config = build_genai_config(layout, get_profile("cpu"), generation, ["input_ids"], "model.onnx", layout.context_length)
+    assert config["search"]["top_k"] == layout.vocab_size
+    assert (config["search"]["top_p"], config["search"]["temperature"]) == (0.9, 0.7)
+    assert config["model"]["eos_token_id"] == [1, 106]

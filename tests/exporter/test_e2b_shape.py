@@ -1,4 +1,5 @@
-"""The 35-layer gemma-4-e2b-shape preset end to end (slow: about 1.5 minutes on 2 cores)."""
+"""The 35-layer gemma-4-e2b-shape preset end to end, from its test checkpoint folder (slow: about
+2 minutes on 2 cores)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,18 @@ def test_onnx_runtime_matches_pytorch(e2b_shape):
         for got, want in zip(session.run(None, feeds), expected, strict=True):
             assert got.shape == want.shape
             assert float(np.max(np.abs(got - want))) <= 1e-4
+
+
+@pytest.mark.l3
+@pytest.mark.l4
+def test_check_against_its_checkpoint(e2b_shape, capsys):
+    """`check --against` at 35 layers: the package (from the checkpoint folder) against
+    transformers' load of the folder."""
+    from exporter.cli import main
+
+    assert main(["check", str(e2b_shape.package.path), "--against", str(e2b_shape.checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  source_logits" in out and "PASS  source_tokens" in out
 
 
 @pytest.mark.l5

@@ -18,11 +18,15 @@ LONG_PROMPT = [BOS_ID, 12, 99, 415, 260, 48, 77, 301, 5, 188, 64, 402, 90]
 
 
 def _until_eos(tokens: list[int]) -> list[int]:
-    return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+    """The tokens before the first end-of-sequence. ONNX Runtime GenAI leaves the EOS out of a
+    lone sequence that ends and keeps it (then pads) in a batch row; transformers keeps it."""
+    return tokens[: tokens.index(EOS_ID)] if EOS_ID in tokens else tokens
 
 
-def _transformers_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """transformers' own batching: left padding with an attention mask."""
+def _transformers_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS,
+                         no_early_end: bool = False) -> list[list[int]]:
+    """transformers' own batching: left padding with an attention mask. ``no_early_end``: the
+    end-of-sequence token is barred until ``new_tokens`` are out (min_new_tokens)."""
     width = max(map(len, prompts))
     ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts])
     mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
@@ -31,6 +35,7 @@ def _transformers_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens if no_early_end else 0,
             do_sample=False,
             pad_token_id=PAD_ID,
             eos_token_id=EOS_ID,
@@ -38,11 +43,13 @@ def _transformers_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_
     return [_until_eos(row[width:].tolist()) for row in out]
 
 
-def _genai_greedy(package_dir, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+def _genai_greedy(package_dir, prompts: list[list[int]], new_tokens: int = NEW_TOKENS,
+                  no_early_end: bool = False) -> list[list[int]]:
     model = og.Model(str(package_dir))
     width = max(map(len, prompts))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=width + new_tokens, do_sample=False, batch_size=len(prompts))
+    params.set_search_options(max_length=width + new_tokens, min_length=width + new_tokens if no_early_end else 0,
+                              do_sample=False, batch_size=len(prompts))
     generator = og.Generator(model, params)
     # ONNX Runtime GenAI pads batches on the right: it masks trailing pad tokens, feeds each new
     # token after the padding, and reads each row's logits at its last real token.
@@ -80,6 +87,7 @@ def test_generation_past_the_sliding_window(preset_exports, prompts, plain_atten
     exported = preset_exports.get("tiny-gemma-4", plain_attention=plain_attention)
     config = json.loads((exported.package.path / "genai_config.json").read_text())
     assert config["search"]["past_present_share_buffer"] is not plain_attention
-    expected = _transformers_greedy(exported.model, prompts, PAST_WINDOW_TOKENS)
+    # The end-of-sequence token is barred on both sides, so every row goes four windows past.
+    expected = _transformers_greedy(exported.model, prompts, PAST_WINDOW_TOKENS, no_early_end=True)
     assert all(len(row) == PAST_WINDOW_TOKENS for row in expected), "reference stopped before the window"
-    assert _genai_greedy(exported.package.path, prompts, PAST_WINDOW_TOKENS) == expected
+    assert _genai_greedy(exported.package.path, prompts, PAST_WINDOW_TOKENS, no_early_end=True) == expected

@@ -90,11 +90,13 @@ def test_gemma4_layout_and_report(preset_exports):
 
 
 def test_export_is_deterministic_across_processes(preset_exports, tmp_path):
-    """A second export in a fresh process, with another string-hash seed, is byte-identical."""
-    first = preset_exports.get("tiny-gemma-4").package.path
+    """A second export of the same checkpoint in a fresh process, with another string-hash seed,
+    is byte-identical."""
+    exported = preset_exports.get("tiny-gemma-4")
+    first = exported.package.path
     env = dict(os.environ, PYTHONHASHSEED="12345")
     subprocess.run(
-        [sys.executable, "-m", "exporter", "tiny-gemma-4", "-o", str(tmp_path / "again")],
+        [sys.executable, "-m", "exporter", str(exported.checkpoint), "-o", str(tmp_path / "again")],
         check=True, env=env, capture_output=True,
     )
     for name in ("model.onnx", "model.onnx.data", "genai_config.json"):

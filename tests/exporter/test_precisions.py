@@ -20,12 +20,14 @@ import onnxruntime as ort
 import onnxruntime_genai as og
 import pytest
 import torch
+import transformers
 from genai_greedy import greedy
 from trained_model import train_tiny_gemma4
 
 from exporter import export
 from exporter.presets import build_preset
 from exporter.trace import GenAIDecoder, input_names, make_inputs
+from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 
 GREEDY = Path(__file__).with_name("genai_greedy.py")
 NEW_TOKENS = 24
@@ -47,10 +49,15 @@ PACKAGES = {  # name -> (ep, precision)
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    model, tokenizer, ids, _ = train_tiny_gemma4()
+    """The trained model as a checkpoint folder (its buffers, which training leaves at 1, moved),
+    exported from the folder; the reference is transformers' load of it."""
+    trained_model, tokenizer, ids, _ = train_tiny_gemma4()
     root = tmp_path_factory.mktemp("precisions")
+    assert "model.layers.0.layer_scalar" in perturb_constant_tensors(trained_model)
+    folder = save_checkpoint(trained_model, tokenizer, root / "checkpoint")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     packages = {
-        name: export(model, tokenizer, ep=ep, precision=precision, output_dir=root / name)
+        name: export(str(folder), ep=ep, precision=precision, output_dir=root / name)
         for name, (ep, precision) in PACKAGES.items()
     }
     prompts = [ids[s : s + PROMPT_LENGTH].tolist() for s in PROMPT_STARTS]

@@ -13,6 +13,7 @@ from exporter.package import save_tokenizer
 from exporter.presets import build_preset
 from exporter.sources import LoadOptions, load
 from exporter.trace import GenAIDecoder, input_names, make_inputs
+from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 
 
 def _logits_match(package, model, tolerance=1e-4):
@@ -30,8 +31,8 @@ def _logits_match(package, model, tolerance=1e-4):
 def llama_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf") / "tiny-llama"
     model, tokenizer = build_preset("tiny-llama")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    perturb_constant_tensors(model)
+    save_checkpoint(model, tokenizer, folder)
     return folder, model
 
 
@@ -74,26 +75,59 @@ def test_tokenizer_file_names_cannot_escape_the_package(tmp_path):
     assert list(package_dir.iterdir()) == []
 
 
-def test_multimodal_gemma4_exports_its_language_model(tmp_path):
+@pytest.mark.l3
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_multimodal_gemma4_exports_its_language_model(tmp_path, tied):
+    """A multimodal checkpoint (what Google publishes): the text model's tensors sit under
+    ``model.language_model``; the LM head is tied (or not) by the top-level flag, whatever the text
+    config says; the towers' tensors are reported as left out, not as unmatched."""
     text_model, tokenizer = build_preset("tiny-gemma-4")
     config = transformers.Gemma4Config(
-        text_config=text_model.config.to_dict(),
+        text_config=text_model.config.to_dict(),  # says tie_word_embeddings=True
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16},
         audio_config=None,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
     multimodal = transformers.Gemma4ForConditionalGeneration(config).eval()
     multimodal.model.language_model.load_state_dict(text_model.model.state_dict())
-    folder = tmp_path / "multimodal"
-    multimodal.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    perturb_constant_tensors(multimodal)
+    folder = save_checkpoint(multimodal, tokenizer, tmp_path / "multimodal")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert (reference.lm_head.weight is reference.get_input_embeddings().weight) is tied
 
-    package = export(str(folder), output_dir=tmp_path / "pkg")
-    assert any("multimodal" in note and "text-only" in note for note in package.report.notes)
+    package = export(str(folder), output_dir=tmp_path / "pkg", strict=True)
+    notes = package.report.notes
+    assert any("multimodal" in note and "text-only" in note for note in notes)
+    assert any(note.startswith("checkpoint tensors left out, the multimodal model's other parts") for note in notes)
+    assert not any("match no tensor" in note or "never reads" in note for note in notes), notes
     assert package.layout.model_type == "gemma4_text"
     assert package.layout.shared_layer_indices == (6, 7, 8, 9)
-    assert _logits_match(package, text_model)
+    ids = torch.tensor([[2, 17, 42, 5, 99, 7]])
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits[:, -1:].numpy()
+    assert float(np.abs(_prefill_logits(package, ids) - want).max()) <= 1e-4
+
+
+def _prefill_logits(package, ids: torch.Tensor) -> np.ndarray:
+    layout = package.layout
+    session = ort.InferenceSession(str(package.model_path), providers=["CPUExecutionProvider"])
+    empty = make_inputs(layout, 1, ids.shape[1], 0)[3]
+    feeds = [ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None], *empty]
+    return session.run(["logits"], dict(zip(input_names(layout), [t.numpy() for t in feeds], strict=True)))[0]
+
+
+def test_multimodal_generation_defaults_come_from_the_whole_config(tmp_path):
+    """Without generation_config.json, a multimodal checkpoint's end-of-sequence ids are its top-level ones."""
+    text_model, tokenizer = build_preset("tiny-gemma-4")
+    config = transformers.Gemma4Config(text_config=text_model.config.to_dict(), vision_config=None,
+                                       audio_config=None, eos_token_id=[1, 106])
+    multimodal = transformers.Gemma4ForConditionalGeneration(config)
+    folder = save_checkpoint(multimodal, tokenizer, tmp_path / "multimodal")
+    (folder / "generation_config.json").unlink()
+    loaded = load(str(folder))
+    assert loaded.generation_config.eos_token_id == [1, 106]
 
 
 def test_in_memory_model_is_left_as_the_caller_had_it(tmp_path):

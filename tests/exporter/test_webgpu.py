@@ -41,14 +41,14 @@ def _require_webgpu():
 
 @pytest.fixture(scope="module")
 def webgpu_exports(preset_exports, tmp_path_factory):
-    """tiny-gemma-4 for cpu (shared fixture), and the same model for webgpu with and without
-    graph capture."""
+    """tiny-gemma-4's test checkpoint for cpu (shared fixture), and the same checkpoint folder for
+    webgpu with and without graph capture."""
     cpu = preset_exports.get("tiny-gemma-4")
     root = tmp_path_factory.mktemp("webgpu")
     # fp32, as the cpu package: the generation test compares tokens exactly (fp16 is test_precisions').
-    captured = export(cpu.model, cpu.tokenizer, ep="webgpu", precision="fp32", output_dir=root / "captured")
-    uncaptured = export(cpu.model, cpu.tokenizer, ep="webgpu", precision="fp32", graph_capture=False,
-                        output_dir=root / "uncaptured")
+    folder = str(cpu.checkpoint)
+    captured = export(folder, ep="webgpu", precision="fp32", output_dir=root / "captured")
+    uncaptured = export(folder, ep="webgpu", precision="fp32", graph_capture=False, output_dir=root / "uncaptured")
     return cpu, captured, uncaptured
 
 

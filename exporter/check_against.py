@@ -1,0 +1,197 @@
+"""``python -m exporter check PACKAGE --against SOURCE``: the package against transformers itself.
+
+For a few fixed prompts the package generates greedily with ONNX Runtime GenAI (CPU), keeping the
+logits each token was picked from. Then transformers runs the source on the same prompt and the
+package's tokens (teacher forcing: one forward pass, so after a near tie both still see the same
+text) and the two are compared step by step, with tolerances per precision:
+
+- ``source_logits``: max |package logit - transformers logit| at every step;
+- ``source_tokens``: the package's token must be transformers' best, or part from it at a near tie
+  (its transformers logit at most ``near_tie`` below the best).
+
+The reference is loaded by transformers' own ``from_pretrained`` (in fp32), never by the
+exporter's streaming loader, so a tensor the export drops or misreads shows up here. The package
+runs first and is released before the reference is loaded: the two never share the memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+from exporter.errors import ExporterError
+from exporter.layout import eval_mode
+
+# Fixed prompts: plain text, so a real checkpoint's tokenizer gives real tokens.
+PROMPTS = (
+    "Alice was beginning to get very tired of sitting by her sister on the bank,",
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+)
+NEW_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SourceTolerance:
+    logits: float  # max |package - transformers fp32| of any logit at any step
+    near_tie: float  # how far below transformers' best the package's token may be
+
+
+# fp32: different kernels and summation orders, ~1e-5 on the suite's models. fp16: logits near
+# Gemma's soft cap of 30 round at 0.015 and errors add up over layers (a trained tiny Gemma 4:
+# 4.7e-3; real models more). bf16 keeps 3 fewer mantissa bits than fp16. int4: the weights
+# themselves differ (a trained tiny Gemma 4: 0.54 at logit std 1.5).
+TOLERANCES = {
+    "fp32": SourceTolerance(logits=1e-3, near_tie=1e-3),
+    "fp16": SourceTolerance(logits=0.25, near_tie=0.25),
+    "bf16": SourceTolerance(logits=1.0, near_tie=0.5),
+    "int4": SourceTolerance(logits=3.0, near_tie=1.0),
+}
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt: list[int]
+    tokens: list[int]  # the package's greedy tokens, the end-of-sequence included if it ended
+    logits: list[np.ndarray]  # the logits each token was picked from
+
+
+def greedy_with_logits(package: Path, prompts: list[list[int]], new_tokens: int, on_cpu: bool = True) -> list[Generation]:
+    """ONNX Runtime GenAI's greedy generation of each prompt, with the logits of every step."""
+    import onnxruntime_genai as og
+
+    config = og.Config(str(package))
+    if on_cpu:
+        config.clear_providers()
+    model = og.Model(config)
+    vocab = json.loads((package / "genai_config.json").read_text())["model"]["vocab_size"]
+    generations = []
+    for prompt in prompts:
+        params = og.GeneratorParams(model)
+        # Plain greedy: no penalty the package's search settings might add, so each token is the
+        # best of the logits it is compared by.
+        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False, repetition_penalty=1.0,
+                                  min_length=0)
+        generator = og.Generator(model, params)
+        generator.append_tokens(np.array([prompt], dtype=np.int32))
+        logits = []
+        while not generator.is_done():
+            generator.generate_next_token()  # runs the model on the last token, then picks from its logits
+            logits.append(np.array(generator.get_output("logits"), dtype=np.float32).reshape(-1)[-vocab:])
+        tokens = generator.get_sequence(0)[len(prompt):].tolist()
+        if len(logits) == len(tokens) + 1:  # a lone sequence that ends leaves its end-of-sequence out
+            tokens.append(int(logits[-1].argmax()))
+        generations.append(Generation(prompt, tokens, logits))
+        del generator
+    return generations
+
+
+def reference_model(source: Any, trust_remote_code: bool = False) -> transformers.PreTrainedModel:
+    """transformers' own fp32 model of ``source``: an in-memory model (an fp32 copy if it is in
+    another dtype), a preset as ``build_preset`` makes it (what a preset export reads), a folder, hub
+    id or alias through ``from_pretrained``."""
+    from exporter.presets import PRESETS, build_preset
+    from exporter.sources import ALIASES, _download
+
+    if isinstance(source, transformers.PreTrainedModel):
+        if any(p.dtype != torch.float32 for p in source.parameters()):
+            return copy.deepcopy(source).float()
+        return source
+    name = str(source)
+    if name in PRESETS:
+        return build_preset(name)[0]
+    path = Path(name).expanduser()
+    if not path.exists():
+        if name not in ALIASES and "/" not in name:
+            raise ExporterError(f"--against '{name}' is not a preset, folder, hub id or alias")
+        path = _download(ALIASES.get(name, name))
+    if not any(path.glob("*.safetensors")):
+        raise ExporterError(f"--against '{path}' has no *.safetensors weights to compare with")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    except Exception as error:
+        raise ExporterError(f"transformers cannot load --against '{path}': {str(error).strip().splitlines()[0]}") from None
+    return model.eval()
+
+
+def prompt_ids(tokenizer, context_length: int, new_tokens: int) -> list[list[int]]:
+    """The fixed prompts in the package's tokenizer, cut to leave room for the new tokens."""
+    room = max(1, context_length - new_tokens)
+    return [list(tokenizer(text)["input_ids"])[:room] for text in PROMPTS]
+
+
+def compare_with_source(package: Path, source: Any, precision: str, new_tokens: int = NEW_TOKENS,
+                        trust_remote_code: bool = False) -> list[tuple[str, bool, str]]:
+    """(check, passed, detail) for ``source_logits`` and ``source_tokens``."""
+    package = Path(package)
+    config = json.loads((package / "genai_config.json").read_text())
+    tokenizer = _package_tokenizer(package)
+    prompts = prompt_ids(tokenizer, config["model"]["context_length"], new_tokens)
+    generations = greedy_with_logits(package, prompts, new_tokens)
+    gc.collect()  # the package's session goes before the reference comes
+
+    model = reference_model(source, trust_remote_code)
+    tolerance = TOLERANCES.get(precision, TOLERANCES["fp32"])
+    worst, logit_failure, token_failure, near_ties = 0.0, None, None, 0
+    for number, generation in enumerate(generations, start=1):
+        reference = _teacher_forced_logits(model, generation)
+        for step, (got, want, token) in enumerate(zip(generation.logits, reference, generation.tokens, strict=True)):
+            where = f"prompt {number}, generated token {step} (position {len(generation.prompt) + step})"
+            if want.shape != got.shape:
+                return [("source_logits", False, f"the package has {got.shape[-1]} logits, "
+                                                 f"transformers {want.shape[-1]}: not the same vocabulary")]
+            difference = float(np.abs(got - want).max())
+            worst = max(worst, difference)
+            if difference > tolerance.logits and logit_failure is None:
+                logit_failure = (f"at {where} the logits differ from transformers' by {difference:.3g} "
+                                 f"(tolerance {tolerance.logits} for {precision})")
+            best = int(want.argmax())
+            if token == best:
+                continue
+            margin = float(want[best] - want[token])
+            if margin <= tolerance.near_tie:
+                near_ties += 1
+            elif token_failure is None:
+                token_failure = (f"at {where} the package picks {token} {tokenizer.decode([token])!r} where "
+                                 f"transformers picks {best} {tokenizer.decode([best])!r}, {margin:.3g} apart (near-tie bound "
+                                 f"{tolerance.near_tie} for {precision})")
+    steps = sum(len(g.tokens) for g in generations)
+    checked = f"{len(generations)} prompts, {steps} greedy steps against {_describe(source)}"
+    tie_note = f"; {near_ties} near ties within {tolerance.near_tie}" if near_ties else ""
+    return [
+        ("source_logits", logit_failure is None,
+         logit_failure or f"{checked}: max |logit difference| {worst:.3g} (tolerance {tolerance.logits} for {precision})"),
+        ("source_tokens", token_failure is None,
+         token_failure or f"{checked}: the package's greedy tokens are transformers'{tie_note}"),
+    ]
+
+
+@torch.no_grad()
+def _teacher_forced_logits(model, generation: Generation) -> list[np.ndarray]:
+    """transformers' logits for each step, fed the prompt and the package's own tokens."""
+    ids = torch.tensor([generation.prompt + generation.tokens[:-1]])
+    with eval_mode(model):
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+    first = len(generation.prompt) - 1
+    return [row.numpy() for row in logits[first : first + len(generation.tokens)]]
+
+
+def _package_tokenizer(package: Path):
+    try:
+        return transformers.AutoTokenizer.from_pretrained(package)
+    except Exception as error:
+        raise ExporterError(f"cannot load the tokenizer of {package}: {str(error).strip().splitlines()[0]}") from None
+
+
+def _describe(source: Any) -> str:
+    return f"an in-memory {type(source).__name__}" if isinstance(source, transformers.PreTrainedModel) else f"'{source}'"
