@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 WINDOW_BY_ATTRIBUTE = "local_window_size"  # GroupQueryAttention's own attribute
 WINDOW_BY_MASK = "explicit_mask"  # attention over the whole KV buffer with a window mask built in the graph
 
+# What a profile's attention becomes (``EpProfile.attention_op``).
+GROUP_QUERY_ATTENTION = "GroupQueryAttention"
+PLAIN_ATTENTION = ""  # transformers' own MatMul/Softmax attention
+
 
 @dataclass(frozen=True)
 class EpProfile:
@@ -22,12 +26,12 @@ class EpProfile:
         (registered with ``register_execution_provider_library``); empty when onnxruntime has it built in.
     precisions: precisions the EP runs, the preferred first.
     provider_options: options written under the provider in genai_config.json.
-    fx_passes: names of FX passes (see ``fx_passes.registry``) to run, in order.
-    fused_ops: ONNX Runtime contrib ops the graph is fused into: "GroupQueryAttention" replaces
-        every layer's attention (an FX pass); the norms are ONNX fusions (``exporter.onnx_fusions``).
-        A profile without "GroupQueryAttention" keeps the plain MatMul/Softmax attention.
-    fused_op_precisions: for a fused op the EP runs at some precisions only, those precisions
-        (CUDA's GroupQueryAttention has no fp32 kernel); ops not named run at every precision.
+    attention_op: the ONNX Runtime contrib op every layer's attention becomes
+        (``GROUP_QUERY_ATTENTION``), or ``PLAIN_ATTENTION`` for transformers' MatMul/Softmax.
+    attention_op_precisions: the precisions the EP runs ``attention_op`` at (CUDA's
+        GroupQueryAttention has no fp32 kernel); empty: every precision.
+    norm_fusions: the norm contrib ops the EP runs: "SimplifiedLayerNormalization" (RMSNorm),
+        "SkipSimplifiedLayerNormalization" (residual Add + RMSNorm).
     attention_rotary: whether GroupQueryAttention also applies the rotary embedding (``do_rotary``
         with cos/sin caches) where the model's rotary has transformers' rotate_half form.
     sliding_window: how sliding-window layers get their window: ``WINDOW_BY_ATTRIBUTE``
@@ -56,9 +60,9 @@ class EpProfile:
     description: str
     ort_plugin: str = ""
     provider_options: dict[str, str] = field(default_factory=dict)
-    fx_passes: tuple[str, ...] = ()
-    fused_ops: tuple[str, ...] = ()
-    fused_op_precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    attention_op: str = PLAIN_ATTENTION
+    attention_op_precisions: tuple[str, ...] = ()
+    norm_fusions: tuple[str, ...] = ()
     attention_rotary: bool = True
     sliding_window: str = WINDOW_BY_ATTRIBUTE
     max_buffer_size: int | None = None
@@ -79,30 +83,28 @@ class EpProfile:
     def default_precision(self) -> str:
         return self.precisions[0]
 
-    def fused_ops_at(self, precision: str) -> tuple[str, ...]:
-        """The fused ops the EP runs at ``precision``."""
-        return tuple(op for op in self.fused_ops if precision in self.fused_op_precisions.get(op, (precision,)))
+    def runs_attention_op_at(self, precision: str) -> bool:
+        """Whether the EP runs ``attention_op`` at ``precision``."""
+        return self.attention_op != PLAIN_ATTENTION and (
+            not self.attention_op_precisions or precision in self.attention_op_precisions
+        )
 
-    def genai_provider_options(self) -> dict[str, str]:
-        """The provider's options for genai_config.json, graph capture included."""
+    def genai_provider_options(self, graph_capture: bool | None = None) -> dict[str, str]:
+        """The provider's options for genai_config.json, graph capture included (the profile's
+        own setting unless ``graph_capture`` says otherwise)."""
         options = dict(self.provider_options)
         if self.graph_capture_option:
-            options[self.graph_capture_option] = "1" if self.graph_capture else "0"
+            capture = self.graph_capture if graph_capture is None else graph_capture and self.graph_capture
+            options[self.graph_capture_option] = "1" if capture else "0"
         return options
 
     def with_plain_attention(self) -> EpProfile:
-        """This profile without GroupQueryAttention: transformers' MatMul/Softmax attention, with
+        """This profile without its attention op: transformers' MatMul/Softmax attention, with
         separate past and present KV buffers (for EPs without the op, and for comparisons)."""
         return dataclasses.replace(
             self,
             name=f"{self.name}-plain-attention",
-            fused_ops=tuple(op for op in self.fused_ops if op != "GroupQueryAttention"),
+            attention_op=PLAIN_ATTENTION,
             past_present_share_buffer=False,
             graph_capture=False,
         )
-
-    def without_graph_capture(self) -> EpProfile:
-        """This profile with graph capture off (the graph may then keep shape work on the CPU)."""
-        if not self.graph_capture:
-            return self
-        return dataclasses.replace(self, name=f"{self.name}-no-graph-capture", graph_capture=False)

@@ -7,11 +7,9 @@ options (its model builder writes the same ones), and WebGPU's default maxBuffer
 
 from __future__ import annotations
 
-from ep_profiles.profile import WINDOW_BY_MASK, EpProfile
+from ep_profiles.profile import GROUP_QUERY_ATTENTION, WINDOW_BY_MASK, EpProfile
 
-_CLEANUP = ("drop_runtime_asserts", "drop_noop_casts")
 _NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
-_GQA = "GroupQueryAttention"
 
 CPU = EpProfile(
     name="cpu",
@@ -19,8 +17,8 @@ CPU = EpProfile(
     ort_provider="CPUExecutionProvider",
     precisions=("fp32", "int4"),
     description="ONNX Runtime's default CPU provider",
-    fx_passes=_CLEANUP,
-    fused_ops=(_GQA, *_NORMS),
+    attention_op=GROUP_QUERY_ATTENTION,
+    norm_fusions=_NORMS,
     past_present_share_buffer=True,
     int4_activations="fp32",
     int4_accuracy_level=4,
@@ -32,9 +30,9 @@ CUDA = EpProfile(
     ort_provider="CUDAExecutionProvider",
     precisions=("fp16", "bf16", "fp32", "int4"),
     description="NVIDIA GPUs through CUDA",
-    fx_passes=_CLEANUP,
-    fused_ops=(_GQA, *_NORMS),
-    fused_op_precisions={_GQA: ("fp16", "bf16", "int4")},
+    attention_op=GROUP_QUERY_ATTENTION,
+    attention_op_precisions=("fp16", "bf16", "int4"),
+    norm_fusions=_NORMS,
     past_present_share_buffer=True,
     graph_capture_option="enable_cuda_graph",
 )
@@ -45,8 +43,8 @@ DML = EpProfile(
     ort_provider="DmlExecutionProvider",
     precisions=("fp16", "fp32", "int4"),
     description="DirectML on Windows GPUs",
-    fx_passes=_CLEANUP,
-    fused_ops=(_GQA, *_NORMS),
+    attention_op=GROUP_QUERY_ATTENTION,
+    norm_fusions=_NORMS,
     past_present_share_buffer=True,
     graph_capture_option="enable_graph_capture",
 )
@@ -58,10 +56,10 @@ WEBGPU = EpProfile(
     ort_plugin="onnxruntime_ep_webgpu",
     precisions=("fp16", "fp32", "int4"),
     description="WebGPU (Dawn: Vulkan, Metal, D3D12), with graph capture",
-    fx_passes=_CLEANUP,
-    fused_ops=(_GQA, *_NORMS),
+    attention_op=GROUP_QUERY_ATTENTION,
+    norm_fusions=_NORMS,
     # onnxruntime-ep-webgpu 0.4.0's GroupQueryAttention ignores local_window_size for KV-shared
-    # calls, and for every call under graph capture (../shared/repro/webgpu_gqa_window.py).
+    # calls, and for every call under graph capture (scripts/webgpu_gqa_window_repro.py).
     sliding_window=WINDOW_BY_MASK,
     max_buffer_size=256 * 2**20,
     past_present_share_buffer=True,
@@ -75,9 +73,9 @@ TRT_RTX = EpProfile(
     ort_provider="NvTensorRTRTXExecutionProvider",
     precisions=("fp16", "bf16", "fp32", "int4"),
     description="NVIDIA RTX GPUs through TensorRT-RTX",
-    fx_passes=_CLEANUP,
-    fused_ops=(_GQA, *_NORMS),
-    fused_op_precisions={_GQA: ("fp16", "bf16", "int4")},
+    attention_op=GROUP_QUERY_ATTENTION,
+    attention_op_precisions=("fp16", "bf16", "int4"),
+    norm_fusions=_NORMS,
     past_present_share_buffer=True,
     graph_capture_option="enable_cuda_graph",
 )

@@ -23,9 +23,12 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from ep_profiles import EpProfile
+from exporter import postconditions
 from exporter.package import GENAI_CONFIG_FILENAME, MODEL_FILENAME, REPORT_FILENAME
+from exporter.precisions import PRECISIONS
 
 KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft"}
 SMOKE_TOKENS = 8
@@ -47,6 +50,7 @@ class _Context:
         decoder = self.config["model"]["decoder"]
         self.model_path = package / decoder.get("filename", MODEL_FILENAME)
         self.graph = onnx.load(str(self.model_path), load_external_data=False)
+        self.model = ir.load(str(self.model_path))  # weights stay on disk until read
 
 
 def check_package(package: Path, profile: EpProfile, against: Any = None) -> list[Finding]:
@@ -143,8 +147,7 @@ def _check_genai_config(context: _Context) -> Iterator[Finding]:
         problems.append(f"logits width {logits_dims[-1].dim_value} != vocab_size {model['vocab_size']}")
     if context.config["search"]["max_length"] > model["context_length"]:
         problems.append("search.max_length exceeds context_length")
-    producers = {out: node.op_type for node in context.graph.graph.node for out in node.output}
-    not_in_place = sorted(n for n in outputs if n.startswith("present.") and producers.get(n) != "GroupQueryAttention")
+    not_in_place = postconditions.presents_not_in_place(context.model)
     if context.config["search"].get("past_present_share_buffer") and not_in_place:
         problems.append(
             f"past_present_share_buffer is on but {len(not_in_place)} present outputs (e.g. {not_in_place[0]}) "
@@ -169,6 +172,18 @@ def _provider_options(context: _Context) -> dict[str, str]:
         if context.profile.genai_provider in entry:
             return dict(entry[context.profile.genai_provider])
     return {}
+
+
+def _check_graph_capture(context: _Context) -> Iterator[Finding]:
+    """A package that asks for graph capture computes no shape on the CPU (read off the graph, so
+    it runs where the EP is not installed too)."""
+    if _provider_options(context).get(context.profile.graph_capture_option or "-") != "1":
+        yield Finding("graph_capture", True, "graph capture off: the CPU may take shape work")
+        return
+    on_cpu = postconditions.cpu_placed_nodes(context.model)
+    yield Finding("graph_capture", not on_cpu,
+                  f"{len(on_cpu)} nodes would run on the CPU ({postconditions.describe(on_cpu)})" if on_cpu
+                  else "no node computes a shape on the CPU: the graph can be captured")
 
 
 def _check_session(context: _Context) -> Iterator[Finding]:
@@ -204,12 +219,6 @@ def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray
     return generation.tokens, generation.logits
 
 
-# How far below the CPU's best logit the EP's token may be where the two first part: EPs sum
-# in other orders, so a near tie may go either way. fp32 kernels agree to ~1e-5; fp16 logits round
-# at ~0.015 near Gemma's soft cap of 30 and differences add up over layers (a random tiny
-# Gemma 4 in fp16: 0.17 between CPU and WebGPU); int4 kernels differ by ~0.05 per MatMul.
-NEAR_TIE = {"fp32": 1e-3, "fp16": 0.25, "bf16": 0.5, "int4": 0.5}
-
 
 def _precision(context: _Context) -> str:
     report = context.package / REPORT_FILENAME
@@ -227,7 +236,7 @@ def _compare_generations(on_cpu, cpu_logits, on_ep, precision: str) -> tuple[boo
         return False, " (CPU differs: a different length)"
     # How far the EP's token is below the best CPU logit at the step where they part.
     margin = float(cpu_logits[step].max() - cpu_logits[step][on_ep[step]])
-    tolerance = NEAR_TIE.get(precision, NEAR_TIE["fp32"])
+    tolerance = PRECISIONS.get(precision, PRECISIONS["fp32"]).ep_near_tie
     if margin <= tolerance:
         return True, (f" (from step {step} on, a near tie: on CPU the EP's token is {margin:.3g} below the best logit, "
                       f"within {tolerance} for {precision})")
@@ -257,6 +266,7 @@ _CHECKS: tuple[Callable[[_Context], Iterator[Finding]], ...] = (
     _check_domains,
     _check_buffer_limit,
     _check_genai_config,
+    _check_graph_capture,
     _check_session,
     _check_smoke_generation,
 )

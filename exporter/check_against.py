@@ -3,7 +3,8 @@
 For a few fixed prompts the package generates greedily with ONNX Runtime GenAI (CPU), keeping the
 logits each token was picked from. Then transformers runs the source on the same prompt and the
 package's tokens (teacher forcing: one forward pass, so after a near tie both still see the same
-text) and the two are compared step by step, with tolerances per precision:
+text) and the two are compared step by step, with the tolerances of the package's precision
+(``exporter.precisions``):
 
 - ``source_logits``: max |package logit - transformers logit| at every step;
 - ``source_tokens``: the package's token must be transformers' best, or part from it at a near tie
@@ -29,6 +30,7 @@ import transformers
 
 from exporter.errors import ExporterError
 from exporter.layout import eval_mode
+from exporter.precisions import PRECISIONS
 
 # Fixed prompts: plain text, so a real checkpoint's tokenizer gives real tokens.
 PROMPTS = (
@@ -37,24 +39,6 @@ PROMPTS = (
     "def fibonacci(n):\n    ",
 )
 NEW_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class SourceTolerance:
-    logits: float  # max |package - transformers fp32| of any logit at any step
-    near_tie: float  # how far below transformers' best the package's token may be
-
-
-# fp32: different kernels and summation orders, ~1e-5 on the suite's models. fp16: logits near
-# Gemma's soft cap of 30 round at 0.015 and errors add up over layers (a trained tiny Gemma 4:
-# 4.7e-3; real models more). bf16 keeps 3 fewer mantissa bits than fp16. int4: the weights
-# themselves differ (a trained tiny Gemma 4: 0.54 at logit std 1.5).
-TOLERANCES = {
-    "fp32": SourceTolerance(logits=1e-3, near_tie=1e-3),
-    "fp16": SourceTolerance(logits=0.25, near_tie=0.25),
-    "bf16": SourceTolerance(logits=1.0, near_tie=0.5),
-    "int4": SourceTolerance(logits=3.0, near_tie=1.0),
-}
 
 
 @dataclass(frozen=True)
@@ -141,36 +125,36 @@ def compare_with_source(package: Path, source: Any, precision: str, new_tokens: 
     gc.collect()  # the package's session goes before the reference comes
 
     model = reference_model(source, trust_remote_code)
-    tolerance = TOLERANCES.get(precision, TOLERANCES["fp32"])
+    tolerance = PRECISIONS.get(precision, PRECISIONS["fp32"])
     worst, logit_failure, token_failure, near_ties = 0.0, None, None, 0
     for number, generation in enumerate(generations, start=1):
         reference = _teacher_forced_logits(model, generation)
         for step, (got, want, token) in enumerate(zip(generation.logits, reference, generation.tokens, strict=True)):
             where = f"prompt {number}, generated token {step} (position {len(generation.prompt) + step})"
             if want.shape != got.shape:
-                return [("source_logits", False, f"the package has {got.shape[-1]} logits, "
-                                                 f"transformers {want.shape[-1]}: not the same vocabulary")]
+                return [("source_logits", False, (f"the package has {got.shape[-1]} logits, "
+                                                  f"transformers {want.shape[-1]}: not the same vocabulary"))]
             difference = float(np.abs(got - want).max())
             worst = max(worst, difference)
-            if difference > tolerance.logits and logit_failure is None:
+            if difference > tolerance.source_logits and logit_failure is None:
                 logit_failure = (f"at {where} the logits differ from transformers' by {difference:.3g} "
-                                 f"(tolerance {tolerance.logits} for {precision})")
+                                 f"(tolerance {tolerance.source_logits} for {precision})")
             best = int(want.argmax())
             if token == best:
                 continue
             margin = float(want[best] - want[token])
-            if margin <= tolerance.near_tie:
+            if margin <= tolerance.source_near_tie:
                 near_ties += 1
             elif token_failure is None:
                 token_failure = (f"at {where} the package picks {token} {tokenizer.decode([token])!r} where "
                                  f"transformers picks {best} {tokenizer.decode([best])!r}, {margin:.3g} apart (near-tie bound "
-                                 f"{tolerance.near_tie} for {precision})")
+                                 f"{tolerance.source_near_tie} for {precision})")
     steps = sum(len(g.tokens) for g in generations)
     checked = f"{len(generations)} prompts, {steps} greedy steps against {_describe(source)}"
-    tie_note = f"; {near_ties} near ties within {tolerance.near_tie}" if near_ties else ""
+    tie_note = f"; {near_ties} near ties within {tolerance.source_near_tie}" if near_ties else ""
     return [
         ("source_logits", logit_failure is None,
-         logit_failure or f"{checked}: max |logit difference| {worst:.3g} (tolerance {tolerance.logits} for {precision})"),
+         logit_failure or f"{checked}: max |logit difference| {worst:.3g} (tolerance {tolerance.source_logits} for {precision})"),
         ("source_tokens", token_failure is None,
          token_failure or f"{checked}: the package's greedy tokens are transformers'{tie_note}"),
     ]

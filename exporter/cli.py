@@ -11,8 +11,9 @@ from pathlib import Path
 from ep_profiles import PROFILES, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter.errors import ExporterError
-from exporter.pipeline import PRECISIONS, choose_precision, export
-from exporter.quantize_int4 import Int4Options
+from exporter.onnx_passes.quantize_int4 import Int4Options
+from exporter.pipeline import export
+from exporter.precisions import PRECISIONS, choose_precision
 from exporter.presets import DEFAULT_PRESET
 from exporter.sources import describe_sources
 from exporter.stages import StageRecord
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m exporter",
         description="Export a Hugging Face decoder LM to an ONNX Runtime GenAI package.",
         epilog="Other commands: `python -m exporter list` shows presets, aliases and EPs; "
+        "`python -m exporter plan MODEL --ep EP [--json]` prints the passes an export would run; "
         "`python -m exporter check PACKAGE --ep EP [--against SOURCE] [--json]` checks a package.",
     )
     parser.add_argument(
@@ -151,6 +153,42 @@ def _check(argv: list[str]) -> int:
     return 0 if all(f.passed for f in findings) else 1
 
 
+def _plan(argv: list[str]) -> int:
+    """Print the export plan: per session, the FX and ONNX passes in order and why each runs."""
+    import json
+
+    from exporter.plan import export_settings, make_plan
+    from exporter.precisions import PRECISIONS as POLICIES
+    from exporter.precisions import int4_options
+    from exporter.prepare import prepare
+    from exporter.sources import LoadOptions, load
+
+    parser = argparse.ArgumentParser(prog="python -m exporter plan",
+                                     description="Print the passes an export would run, without exporting.")
+    parser.add_argument("model", nargs="?", default=DEFAULT_PRESET, help="as for an export")
+    parser.add_argument("--ep", default="cpu", metavar="EP", help="EP profile (default: cpu)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="default: the EP's first")
+    parser.add_argument("--no-graph-capture", dest="graph_capture", action="store_false")
+    parser.add_argument("--full-logits", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    try:
+        profile = get_profile(args.ep)
+        precision = choose_precision(profile, args.precision)
+        # The plan needs the model's structure only: its config, never its weights.
+        loaded = load(args.model, options=LoadOptions(trust_remote_code=args.trust_remote_code, random_weights=True))
+        layout = prepare(loaded, POLICIES[precision].compute_dtype(profile)).layout
+        settings = export_settings(profile, layout, precision, graph_capture=args.graph_capture,
+                                   full_logits=args.full_logits, int4=int4_options(profile, precision, None))
+    except (ExporterError, UnknownProfileError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    plan = make_plan(settings)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.to_text())
+    return 0
+
+
 def _int4_options(args, profile, precision: str) -> Int4Options | None:
     given = [flag for flag, value in (("--int4-block-size", args.int4_block_size),
                                       ("--int4-asymmetric", args.int4_asymmetric or None),
@@ -175,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         return _list()
     if argv[:1] == ["check"]:
         return _check(argv[1:])
+    if argv[:1] == ["plan"]:
+        return _plan(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         profile = get_profile(args.ep)

@@ -36,11 +36,12 @@ def build_genai_config(
     layout: DecoderLayout,
     profile: EpProfile,
     generation_config: Any,
-    graph_input_names: list[str],
-    model_filename: str,
-    context_length: int,
+    sections: dict[str, dict[str, Any]],
     share_kv_buffer: bool = False,
 ) -> dict[str, Any]:
+    """``sections``: each session's section by its name (``decoder``, ...), built by the session.
+    ``share_kv_buffer``: one KV buffer for past and present (every present written in place by
+    GroupQueryAttention)."""
     eos = _token_ids(getattr(generation_config, "eos_token_id", None))
     bos = _token_ids(getattr(generation_config, "bos_token_id", None))
     pad = _token_ids(getattr(generation_config, "pad_token_id", None))
@@ -50,45 +51,20 @@ def build_genai_config(
         raise ExporterError(
             "the model has no eos_token_id; set model.generation_config.eos_token_id before exporting"
         )
-
-    inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask"}
-    if "position_ids" in graph_input_names:
-        inputs["position_ids"] = "position_ids"
-    inputs["past_key_names"] = "past_key_values.%d.key"
-    inputs["past_value_names"] = "past_key_values.%d.value"
-
-    first_kv = layout.kv_layers[0]
-    provider_options = (
-        [{profile.genai_provider: profile.genai_provider_options()}] if profile.genai_provider else []
-    )
+    context_length = layout.context_length
     if profile.max_length is not None:
         context_length = min(context_length, profile.max_length)
+    model = {
+        "bos_token_id": bos,
+        "context_length": context_length,
+        **sections,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "type": genai_model_type(layout),
+        "vocab_size": layout.vocab_size,
+    }
     return {
-        "model": {
-            "bos_token_id": bos,
-            "context_length": context_length,
-            "decoder": {
-                "session_options": {"log_id": "onnxruntime-genai", "provider_options": provider_options},
-                "filename": model_filename,
-                # Gemma 4's head dims differ per layer; GenAI reads each KV input's dim from the
-                # graph and wants the first (sliding) layer's here.
-                "head_size": first_kv.head_dim,
-                "hidden_size": layout.hidden_size,
-                "inputs": inputs,
-                "outputs": {
-                    "logits": "logits",
-                    "present_key_names": "present.%d.key",
-                    "present_value_names": "present.%d.value",
-                },
-                "num_attention_heads": layout.num_attention_heads,
-                "num_hidden_layers": layout.num_layers,
-                "num_key_value_heads": first_kv.num_kv_heads,
-            },
-            "eos_token_id": eos,
-            "pad_token_id": pad,
-            "type": genai_model_type(layout),
-            "vocab_size": layout.vocab_size,
-        },
+        "model": model,
         "search": {
             "diversity_penalty": 0.0,
             "do_sample": bool(getattr(generation_config, "do_sample", False)),

@@ -16,8 +16,6 @@ import onnx_ir as ir
 import torch
 from torch.export import ExportedProgram
 
-from exporter.layout import DecoderLayout
-from exporter.trace import input_names, output_names
 from fx_passes.markers import ONNX_TRANSLATIONS
 
 OPSET = 21
@@ -31,7 +29,7 @@ _DIM_NAMES = {
 }
 
 
-def lower(program: ExportedProgram, sample_inputs: tuple, layout: DecoderLayout) -> ir.Model:
+def lower(program: ExportedProgram, sample_inputs: tuple, input_names: list[str], output_names: list[str]) -> ir.Model:
     with _quiet_torch_onnx():
         onnx_program = torch.onnx.export(
             program,
@@ -44,13 +42,12 @@ def lower(program: ExportedProgram, sample_inputs: tuple, layout: DecoderLayout)
             report=False,
         )
     model = onnx_program.model
-    _name_graph_io(model, layout)
+    _name_graph_io(model, input_names, output_names)
     return model
 
 
-def _name_graph_io(model: ir.Model, layout: DecoderLayout) -> None:
+def _name_graph_io(model: ir.Model, wanted_inputs: list[str], wanted_outputs: list[str]) -> None:
     graph = model.graph
-    wanted_inputs, wanted_outputs = input_names(layout), output_names(layout)
     if len(graph.inputs) != len(wanted_inputs) or len(graph.outputs) != len(wanted_outputs):
         raise RuntimeError(
             f"lowered graph has {len(graph.inputs)} inputs / {len(graph.outputs)} outputs, "

@@ -65,8 +65,9 @@ def _umask() -> int:
     return mask
 
 
-def save_model(model: ir.Model, folder: Path) -> None:
-    ir.save(model, folder / MODEL_FILENAME, external_data=DATA_FILENAME)
+def save_model(model: ir.Model, folder: Path, filename: str = MODEL_FILENAME) -> None:
+    """The model as ``filename`` with its weights as external data beside it (``filename``.data)."""
+    ir.save(model, folder / filename, external_data=f"{filename}.data")
 
 
 def save_json(data: Any, path: Path) -> None:
@@ -102,3 +103,11 @@ def save_tokenizer(tokenizer: Any, folder: Path) -> list[str]:
 
 def _is_plain_file_name(name: str) -> bool:
     return bool(name) and name not in (".", "..") and Path(name).name == name and "\\" not in name
+
+
+def save_report(report, stages, folder: Path) -> None:
+    """The export report, JSON and Markdown, with the stage timings and the files written so far."""
+    report.stages = [s.to_dict() for s in stages.records]
+    report.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    save_json(report.to_dict(), folder / REPORT_FILENAME)
+    (folder / REPORT_MARKDOWN_FILENAME).write_text(report.to_markdown())

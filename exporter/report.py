@@ -41,10 +41,9 @@ class ExportReport:
     precision: str
     layout: dict[str, Any]
     stages: list[dict[str, Any]] = field(default_factory=list)
+    plan: dict[str, Any] = field(default_factory=dict)
     fx_passes: list[dict[str, Any]] = field(default_factory=list)
     onnx_passes: list[dict[str, Any]] = field(default_factory=list)
-    fusions: list[dict[str, Any]] = field(default_factory=list)
-    quantization: dict[str, Any] = field(default_factory=dict)
     op_counts: dict[str, int] = field(default_factory=dict)
     initializers: dict[str, Any] = field(default_factory=dict)
     graph_inputs: list[str] = field(default_factory=list)
@@ -64,10 +63,9 @@ class ExportReport:
             "total_seconds": round(self.total_seconds, 3),
             "layout": self.layout,
             "stages": self.stages,
+            "plan": self.plan,
             "fx_passes": self.fx_passes,
             "onnx_passes": self.onnx_passes,
-            "fusions": self.fusions,
-            "quantization": self.quantization,
             "op_counts": self.op_counts,
             "initializers": self.initializers,
             "graph_inputs": self.graph_inputs,
@@ -97,19 +95,13 @@ class ExportReport:
             f"| {p['name']} | {', '.join(f'{k}={v}' for k, v in p['changes'].items()) or '-'} | {p['seconds']:.3f} |"
             for p in self.fx_passes
         ]
-        lines += ["", "## ONNX passes", "", "| pass | nodes before | nodes after | seconds |", "|---|---:|---:|---:|"]
+        lines += ["", "## ONNX passes", "", "| pass | changes | nodes before | nodes after | seconds |",
+                  "|---|---|---:|---:|---:|"]
         lines += [
-            f"| {p['name']} | {p['nodes_before']} | {p['nodes_after']} | {p['seconds']:.3f} |" for p in self.onnx_passes
+            f"| {p['name']} | {', '.join(f'{k}={v}' for k, v in p['changes'].items()) or '-'} | {p['nodes_before']} "
+            f"| {p['nodes_after']} | {p['seconds']:.3f} |"
+            for p in self.onnx_passes
         ]
-        lines += ["", "## Fusions", "", "| fused op | nodes made | seconds |", "|---|---:|---:|"]
-        lines += [f"| {f['op_type']} | {f['fused']} | {f['seconds']:.3f} |" for f in self.fusions]
-        if self.quantization:
-            q = self.quantization
-            lines += ["", "## Quantization", "",
-                      f"{q['bits']}-bit weights, block {q['block_size']}, "
-                      f"{'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']}: "
-                      f"{q['matmuls']} MatMul -> MatMulNBits, {q['gathers']} Gather -> GatherBlockQuantized, "
-                      f"{q['tables_shared_with_lm_head']} table(s) shared with the LM head"]
         lines += ["", "## Operators", "", "| op | count |", "|---|---:|"]
         lines += [f"| {op} | {count} |" for op, count in self.op_counts.items()]
         init = self.initializers
@@ -126,3 +118,7 @@ class ExportReport:
             f"| {t['name']} | {t['shape']} | {t['dtype']} | {t['bytes'] / mib:.1f} |" for t in init.get("largest", [])
         ]
         return "\n".join(lines) + "\n"
+
+    def onnx_pass_changes(self, name: str) -> dict[str, int]:
+        """The counts an ONNX pass reported ({} where it did not run)."""
+        return next((p["changes"] for p in self.onnx_passes if p["name"] == name), {})

@@ -30,11 +30,10 @@ import json
 import re
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import onnx_ir as ir
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -352,44 +351,13 @@ def _to_ir(tensor: torch.Tensor, name: str) -> ir.TensorProtocol:
     return ir.Tensor(tensor.numpy(), name=name)
 
 
-class FoldWeightTransposes(ir.passes.InPlacePass):
-    """``Transpose(weight)`` whose weight feeds nothing else -> one transposed initializer, lazy
-    (computed when written), so a MatMul reads its weight as stored instead of transposing it at
-    every step. torch.onnx lowers linear layers that way, and constant folding leaves the
-    Transpose of any weight over its size limit (every weight of a full-size model).
-    ``fold_shared``: also fold a weight that has other readers (a tied LM head), storing it twice."""
-
-    def __init__(self, fold_shared: bool = True):
-        super().__init__()
-        self.fold_shared = fold_shared
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph, folded = model.graph, 0
-        for node in list(graph):
-            if node.op_type != "Transpose" or node.domain != "":
-                continue
-            source = node.inputs[0]
-            if source is None or not source.is_initializer() or source.const_value is None or source in graph.outputs:
-                continue
-            shared = len(source.uses()) > 1
-            if shared and not self.fold_shared:
-                continue
-            tensor, out = source.const_value, node.outputs[0]
-            rank = len(tensor.shape)
-            perm = list(node.attributes.get_ints("perm", list(reversed(range(rank)))))
-            shape = ir.Shape([tensor.shape[p] for p in perm])
-            name = out.name
-
-            def transposed(tensor=tensor, perm=perm, name=name) -> ir.TensorProtocol:
-                return ir.Tensor(np.ascontiguousarray(np.transpose(tensor.numpy(), perm)), name=name)
-
-            lazy = ir.LazyTensor(transposed, dtype=tensor.dtype, shape=shape, name=name)
-            replacement = ir.Value(name=name, shape=shape, type=ir.TensorType(tensor.dtype), const_value=lazy)
-            out.name = None
-            ir.convenience.replace_all_uses_with(out, replacement)
-            graph.remove(node, safe=True)
-            if not shared:
-                graph.initializers.pop(source.name)
-            graph.register_initializer(replacement)
-            folded += 1
-        return ir.passes.PassResult(model, modified=bool(folded))
+def attach_and_account(model: ir.Model, source: WeightSource, shapes: dict[str, tuple[int, ...]],
+                       strict: bool) -> list[str]:
+    """``attach``, then what the report says of it: how many tensors stream from where, and the
+    checkpoint tensors the graph does not read (an error under ``strict``)."""
+    attached, read = attach(model, source, shapes)
+    unread = source.unread(read)
+    if strict and unread.unexplained:
+        raise ExporterError(f"--strict: {unread.notes()[0]}")
+    return [f"{attached} weight tensors written from {source.description} one at a time, never all in memory",
+            *unread.notes()]

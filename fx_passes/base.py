@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -14,12 +14,26 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
 @dataclass(frozen=True)
 class PassContext:
-    """What a pass may read besides the program: the EP profile, the export options and the
-    decoder layout derived from the HF config (never the model's name)."""
+    """What a pass may read besides the program: the EP profile's facts, what the export plan
+    decided (precision, the bytes a stored weight takes at it, whether the graph is captured) and
+    the decoder layout derived from the model (never the model's name)."""
 
     profile: Any
     layout: Any
-    options: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
+    weight_bytes: float = 4
+    graph_capture: bool = False
+
+
+class PlanFacts(Protocol):
+    """What a pass's ``applies`` reads: the export plan's settings (``exporter.plan``)."""
+
+    profile: Any
+    layout: Any
+    precision: str
+    graph_capture: bool
+    attention_op: bool  # the profile's attention op replaces transformers' attention
+    full_logits: bool
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,10 @@ class PassRecord:
 
 class FxPass(Protocol):
     name: str
+
+    def applies(self, facts: PlanFacts) -> str | None:
+        """Why the pass runs for an export with these facts, or None where it does not."""
+        ...
 
     def __call__(
         self, program: ExportedProgram, context: PassContext
@@ -71,17 +89,11 @@ def add_parameter(program: ExportedProgram, target: str, tensor: torch.Tensor) -
 
 
 def run_fx_passes(
-    program: ExportedProgram,
-    passes: list[FxPass],
-    context: PassContext,
-    on_pass: Callable[[PassRecord], None] | None = None,
+    program: ExportedProgram, passes: list[FxPass], context: PassContext
 ) -> tuple[ExportedProgram, list[PassRecord]]:
     records = []
     for fx_pass in passes:
         start = time.perf_counter()
         program, changes = fx_pass(program, context)
-        record = PassRecord(fx_pass.name, dict(changes), time.perf_counter() - start)
-        records.append(record)
-        if on_pass is not None:
-            on_pass(record)
+        records.append(PassRecord(fx_pass.name, dict(changes), time.perf_counter() - start))
     return program, records

@@ -45,6 +45,9 @@ def _is_noop(node: torch.fx.Node) -> bool:
 class DropNoopCasts:
     name = "drop_noop_casts"
 
+    def applies(self, facts) -> str | None:
+        return "casts to the dtype a tensor already has are no-ops"
+
     def __call__(
         self, program: ExportedProgram, context: PassContext
     ) -> tuple[ExportedProgram, dict[str, int]]:

@@ -33,7 +33,7 @@ def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.
                       context: PassContext) -> torch.fx.Node:
     """A ``last_token`` of ``tensor``; a graph-captured decoder runs one unpadded sequence, whose
     last token is the last position (no index arithmetic on the CPU)."""
-    last_position = bool(context.profile.graph_capture)
+    last_position = context.graph_capture
     with graph.inserting_after(tensor):
         gathered = graph.call_function(torch.ops.genai_exporter.last_token.default, (tensor, mask, axis, last_position))
     set_fake_value(gathered)
@@ -57,6 +57,9 @@ def _vocabulary_projections(node: torch.fx.Node, vocab_size: int) -> list[torch.
 
 class GatherLastToken:
     name = "gather_last_token"
+
+    def applies(self, facts) -> str | None:
+        return None if facts.full_logits else "generation reads the last token's logits only"
 
     def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
         graph = program.graph

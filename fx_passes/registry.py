@@ -1,4 +1,5 @@
-"""Every FX pass by the name EP profiles use to ask for it."""
+"""Every FX pass, in the order they run: the export plan keeps those whose ``applies`` says why
+(``exporter.plan``). A new pass is one module plus one line here."""
 
 from fx_passes.drop_noop_casts import DropNoopCasts
 from fx_passes.drop_runtime_asserts import DropRuntimeAsserts
@@ -8,10 +9,10 @@ from fx_passes.substitute_group_query_attention import SubstituteGroupQueryAtten
 from fx_passes.truncate_shared_kv_layers import TruncateSharedKvLayers
 
 FX_PASSES = {p.name: p for p in (
-        DropRuntimeAsserts(),
-        DropNoopCasts(),
-        SplitOversizedWeights(),
-        SubstituteGroupQueryAttention(),
-        GatherLastToken(),
-        TruncateSharedKvLayers(),
-    )}
+    DropRuntimeAsserts(),
+    DropNoopCasts(),
+    SplitOversizedWeights(),
+    SubstituteGroupQueryAttention(),
+    GatherLastToken(),
+    TruncateSharedKvLayers(),
+)}

@@ -25,7 +25,6 @@ from fx_passes.base import PassContext, add_parameter
 from fx_passes.graph_facts import PassDidNotApply, set_fake_value
 
 _aten = torch.ops.aten
-_BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2, "int4": 0.5625}  # int4: 4 bits + fp16 scale per 32
 _EMBEDDING, _LINEAR = _aten.embedding.default, _aten.linear.default
 
 
@@ -49,11 +48,13 @@ def piece_bounds(size: int, other: int, element_bytes: float, limit: int, multip
 class SplitOversizedWeights:
     name = "split_oversized_weights"
 
+    def applies(self, facts) -> str | None:
+        limit = facts.profile.max_buffer_size
+        return None if limit is None else f"{facts.profile.name} holds at most {limit // 2**20} MiB in one buffer"
+
     def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
         limit = context.profile.max_buffer_size
-        if limit is None:
-            raise PassDidNotApply(f"{self.name}: the profile sets no max_buffer_size; do not schedule this pass")
-        element_bytes = _BYTES_PER_ELEMENT[context.options.get("precision", "fp32")]
+        element_bytes = context.weight_bytes
         graph = program.graph
         signature = program.graph_signature
         specs = {spec.arg.name: spec for spec in signature.input_specs if isinstance(spec.arg, TensorArgument)}

@@ -6,7 +6,7 @@ chain, see ``attention_cores``) is traced back to the ``cat([past, new])`` its k
 come from. The first core to read a cache owns it: its marker takes the new K/V and the past
 input, and its present K/V replace the concat as graph outputs. A later core reading the same
 cache (Gemma 4's KV-shared layers) gets empty new K/V and the owner's present as its past, the
-form ONNX Runtime 1.32 computes correctly (``scripts/probe_ort_gqa.py``). Each mask is run on a
+form ONNX Runtime 1.32 computes correctly (``tests/fx_passes/test_gqa_reference_kernel.py``). Each mask is run on a
 probe sequence to learn whether it is causal or a causal sliding window (``mask_probe``); the
 marker builds that mask itself, so transformers' mask subgraph becomes dead and is removed.
 
@@ -50,6 +50,11 @@ _WINDOWED = torch.ops.genai_exporter.windowed_attention.default
 
 class SubstituteGroupQueryAttention:
     name = "substitute_group_query_attention"
+
+    def applies(self, facts) -> str | None:
+        if not facts.attention_op:
+            return None
+        return f"{facts.profile.name} runs GroupQueryAttention at {facts.precision}"
 
     def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict]:
         layout = context.layout

@@ -39,13 +39,34 @@ from fx_passes.graph_facts import (
 _LAST_TOKEN = torch.ops.genai_exporter.last_token.default
 
 
+_EXAMPLE_PROMPT = 512  # the prompt length the report's saving is counted for
+
+
 class TruncateSharedKvLayers:
     name = "truncate_shared_kv_layers"
 
+    def note(self, changes: dict[str, int]) -> str:
+        """Where the pass cut and what it saves, for the report."""
+        num_layers, shared = changes["num_layers"], changes["layers_on_last_token"]
+        first_shared, first = num_layers - shared, changes["first_truncated_layer"]
+        note = (
+            f"prefill truncation at layer {first_shared} of {num_layers}: {shared} layers "
+            f"({first_shared}-{num_layers - 1}, KV-shared) run on the last token only, saving {shared} "
+            f"layer-rows for every prompt token but the last ({shared * (_EXAMPLE_PROMPT - 1)} for a "
+            f"{_EXAMPLE_PROMPT}-token prompt)"
+        )
+        if first < first_shared:
+            note += f"; the part of layer {first} that feeds no KV cache runs on it too"
+        return note
+
+    def applies(self, facts) -> str | None:
+        shared = facts.layout.shared_layer_indices
+        if facts.full_logits or not shared:
+            return None
+        return f"layers {shared[0]}-{shared[-1]} read other layers' KV caches: prefill runs them on the last token"
+
     def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
         layout = context.layout
-        if not layout.shared_layer_indices:
-            raise PassDidNotApply(f"{self.name}: the model has no KV-shared layers; do not schedule this pass")
         graph = program.graph
         outputs = graph_outputs(program)
         feeds_present = ancestors(outputs[1:])

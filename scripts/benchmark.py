@@ -4,7 +4,7 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py                       # gemma-4-e2b-shape, prompts of 128 and 512
     python scripts/benchmark.py tiny-llama --prompt-lengths 32 64 --decode-tokens 16
     python scripts/benchmark.py --truncation          # prefill truncation on vs off, 128/512/1024
-    python scripts/benchmark.py --fusions             # ONNX fusions on vs off
+    python scripts/benchmark.py --fusions             # norm fusions on vs off (attention unchanged)
     python scripts/benchmark.py --attention           # GroupQueryAttention vs plain attention
     python scripts/benchmark.py tiny-gemma-4 --graph-capture   # WebGPU decode, graph capture on vs off
 
@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, help="keep the package here (default: a temporary folder)")
     parser.add_argument("--fusions", action="store_true",
-                        help="compare TTFT with the profile's ONNX fusions on vs off")
+                        help="compare TTFT with the profile's norm fusions on vs off (attention unchanged)")
     parser.add_argument("--attention", action="store_true",
                         help="compare GroupQueryAttention with plain attention: TTFT and decode at 512 tokens")
     parser.add_argument("--truncation", action="store_true",
@@ -116,7 +116,7 @@ def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
 
     from ep_profiles import get_profile
     from exporter.layout import derive_layout
-    from exporter.pipeline import fx_pass_names
+    from exporter.plan import export_settings, make_plan
     from exporter.trace import make_inputs, trace
     from fx_passes import FX_PASSES, PassContext, run_fx_passes
 
@@ -132,8 +132,8 @@ def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
     for variant in ("off", "on"):
         if variant == "on":
             # Only the truncation passes: FlopCounterMode cannot count the attention marker's FLOPs.
-            extra = [n for n in fx_pass_names(get_profile("cpu"), layout, full_logits=False)[len(get_profile("cpu").fx_passes):]
-                     if n != "substitute_group_query_attention"]
+            planned = make_plan(export_settings(get_profile("cpu"), layout, "fp32")).sessions[0].fx_passes
+            extra = [p.name for p in planned if p.name in ("gather_last_token", "truncate_shared_kv_layers")]
             program, _ = run_fx_passes(program, [FX_PASSES[n] for n in extra], context)
         for length in prompt_lengths:
             inputs = make_inputs(layout, 1, length, 0, generator=torch.Generator().manual_seed(0))
@@ -262,7 +262,8 @@ def benchmark_graph_capture(args) -> None:
 
 
 def benchmark_fusions(args) -> None:
-    """TTFT with the profile's ONNX fusions vs without them, alternating in one run."""
+    """TTFT with the profile's norm fusions vs without them (attention unchanged), alternating in
+    one run."""
     import dataclasses
 
     from ep_profiles import get_profile
@@ -270,7 +271,7 @@ def benchmark_fusions(args) -> None:
 
     loaded = load(args.model)
     cpu = get_profile("cpu")
-    variants = {"unfused": dataclasses.replace(cpu, name="cpu-unfused", fused_ops=()), "fused": cpu}
+    variants = {"unfused": dataclasses.replace(cpu, name="cpu-unfused", norm_fusions=()), "fused": cpu}
     with tempfile.TemporaryDirectory() as scratch:
         packages = {}
         for variant, profile in variants.items():

@@ -17,24 +17,16 @@ import pytest
 # Tests never reach the Hugging Face hub: make any attempt fail at once instead of timing out.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from helpers.checkpoints import perturbed_preset_checkpoint
+from helpers.families import FAMILIES
+
 from ep_profiles import get_profile
 from exporter import ExportedPackage, export
-from helpers.checkpoints import perturbed_preset_checkpoint
 
 # The CPU profile without GroupQueryAttention: transformers' own attention (MatMul/Softmax), the
 # form a profile that cannot run GroupQueryAttention exports.
 PLAIN_ATTENTION_CPU = get_profile("cpu").with_plain_attention()
 
-# Every decoder family the suite covers, as built-in presets (all random weights, offline).
-FAMILIES = [
-    "tiny-gemma-4",
-    "tiny-llama",
-    "tiny-qwen3",
-    "tiny-mistral",
-    "tiny-phi3",
-    "tiny-gemma2",
-    "tiny-granite",
-]
 
 
 # Where a package's weights come from: the checkpoint folder (streamed) or the model in memory.

@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 
 from ep_profiles import PROFILES, WINDOW_BY_MASK, EpProfile, get_profile
+from ep_profiles.profile import GROUP_QUERY_ATTENTION, PLAIN_ATTENTION
 from ep_profiles.registry import UnknownProfileError
-from exporter.onnx_fusions import KNOWN_FUSED_OPS
-from exporter.pipeline import PRECISIONS
-from fx_passes import FX_PASSES
+from exporter.onnx_passes.norm_fusions import KNOWN_NORM_FUSIONS
+from exporter.precisions import PRECISIONS
+
+pytestmark = pytest.mark.l1
 
 
 def test_every_ep_the_issue_names_has_a_profile():
@@ -22,19 +24,20 @@ def test_profile_is_consistent(name):
     profile = get_profile(name)
     assert profile.name == name
     assert profile.precisions and set(profile.precisions) <= set(PRECISIONS)
-    assert all(p in FX_PASSES for p in profile.fx_passes), "profile asks for an unknown FX pass"
-    assert set(profile.fused_ops) <= {"GroupQueryAttention", *KNOWN_FUSED_OPS}
-    assert set(profile.fused_op_precisions) <= set(profile.fused_ops)
+    assert profile.attention_op in (GROUP_QUERY_ATTENTION, PLAIN_ATTENTION)
+    assert set(profile.attention_op_precisions) <= set(profile.precisions)
+    assert set(profile.norm_fusions) <= set(KNOWN_NORM_FUSIONS)
     assert bool(profile.genai_provider) == (name != "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):
         profile.name = "other"  # type: ignore[misc]
 
 
-def test_fused_ops_follow_the_precision():
+def test_attention_op_follows_the_precision():
     cuda = get_profile("cuda")
-    assert "GroupQueryAttention" not in cuda.fused_ops_at("fp32")
-    assert "GroupQueryAttention" in cuda.fused_ops_at("fp16")
-    assert "SimplifiedLayerNormalization" in cuda.fused_ops_at("fp32")
+    assert not cuda.runs_attention_op_at("fp32")
+    assert cuda.runs_attention_op_at("fp16")
+    assert get_profile("cpu").runs_attention_op_at("fp32")
+    assert not get_profile("cpu").with_plain_attention().runs_attention_op_at("fp32")
 
 
 def test_webgpu_profile_states_its_limits_as_data():
@@ -42,8 +45,7 @@ def test_webgpu_profile_states_its_limits_as_data():
     assert webgpu.max_buffer_size == 256 * 2**20
     assert webgpu.graph_capture and webgpu.genai_provider_options()["enableGraphCapture"] == "1"
     assert webgpu.sliding_window == WINDOW_BY_MASK
-    off = webgpu.without_graph_capture()
-    assert not off.graph_capture and off.genai_provider_options()["enableGraphCapture"] == "0"
+    assert webgpu.genai_provider_options(graph_capture=False)["enableGraphCapture"] == "0"
     assert get_profile("cpu").genai_provider_options() == {}
 
 
@@ -62,18 +64,26 @@ def test_unknown_eps_are_named():
 def test_genai_config_follows_the_profile(preset_exports):
     """Provider options (graph capture included) and a profile's max_length cap reach genai_config."""
     from exporter.genai_config import build_genai_config
+    from exporter.sessions import DecoderSession
 
     exported = preset_exports.get("tiny-gemma-4")
     layout, generation = exported.package.layout, exported.model.generation_config
     capped = dataclasses.replace(get_profile("webgpu"), max_length=64)
-    config = build_genai_config(layout, capped, generation, ["input_ids", "attention_mask"], "model.onnx",
-                                context_length=layout.context_length, share_kv_buffer=True)
+    decoder = DecoderSession()
+
+    def sections(profile, graph_capture=True):
+        return {"decoder": decoder.genai_section(layout, profile, ["input_ids", "attention_mask"], graph_capture)}
+
+    config = build_genai_config(layout, capped, generation, sections(capped), share_kv_buffer=True)
     assert config["model"]["context_length"] == config["search"]["max_length"] == 64 < layout.context_length
     assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"webgpu": {"enableGraphCapture": "1"}}]
     assert config["search"]["past_present_share_buffer"] is True
-    cuda = build_genai_config(layout, get_profile("cuda"), generation, ["input_ids"], "model.onnx", layout.context_length)
+    cuda = build_genai_config(layout, get_profile("cuda"), generation, sections(get_profile("cuda")))
     assert cuda["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
     assert cuda["model"]["context_length"] == layout.context_length
+    uncaptured = build_genai_config(layout, capped, generation, sections(capped, graph_capture=False))
+    assert uncaptured["model"]["decoder"]["session_options"]["provider_options"] == [
+        {"webgpu": {"enableGraphCapture": "0"}}]
 
 
 def test_generation_settings_keep_a_set_zero(preset_exports):
@@ -84,7 +94,7 @@ def test_generation_settings_keep_a_set_zero(preset_exports):
 
     layout = preset_exports.get("tiny-gemma-4").package.layout
     generation = transformers.GenerationConfig(top_k=0, top_p=0.9, temperature=0.7, do_sample=True, eos_token_id=[1, 106])
-    config = build_genai_config(layout, get_profile("cpu"), generation, ["input_ids"], "model.onnx", layout.context_length)
+    config = build_genai_config(layout, get_profile("cpu"), generation, {})
     assert config["search"]["top_k"] == layout.vocab_size
     assert (config["search"]["top_p"], config["search"]["temperature"]) == (0.9, 0.7)
     assert config["model"]["eos_token_id"] == [1, 106]

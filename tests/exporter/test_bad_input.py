@@ -11,6 +11,8 @@ from exporter import ExporterError, export, pipeline
 from exporter.cli import main
 from exporter.presets import build_preset
 
+pytestmark = pytest.mark.l1
+
 
 def _run_cli(args, capsys) -> tuple[int, str]:
     code = main(args)

@@ -76,10 +76,11 @@ def test_random_weights_int4_webgpu_package_passes_check(tmp_path, capsys):
     `check --ep webgpu` (buffer limit, placement under graph capture, generation)."""
     import json
 
-    from exporter.cli import main
-    from test_webgpu import _require_webgpu
+    from helpers.webgpu import require_webgpu
 
-    _require_webgpu()
+    from exporter.cli import main
+
+    require_webgpu()
     out = tmp_path / "e2b-shape-int4"
     assert main(["gemma-4-e2b-shape", "--random-weights", "--ep", "webgpu", "--precision", "int4", "-o", str(out)]) == 0
     report = json.loads((out / "export_report.json").read_text())
@@ -88,7 +89,8 @@ def test_random_weights_int4_webgpu_package_passes_check(tmp_path, capsys):
     # Sliding layers' attention is the windowed marker on WebGPU (its GroupQueryAttention ignores
     # the window); GroupQueryAttention writes the 15 caches and runs the full layers.
     assert report["op_counts"]["com.microsoft.GroupQueryAttention"] == 19
-    assert report["quantization"]["tables_shared_with_lm_head"] == 1
+    quantization = next(p["changes"] for p in report["onnx_passes"] if p["name"] == "quantize_int4")
+    assert quantization["tables_shared_with_lm_head"] == 1
     capsys.readouterr()
     assert main(["check", str(out), "--ep", "webgpu"]) == 0
     assert "nodes run on WebGpuExecutionProvider" in capsys.readouterr().out

@@ -9,10 +9,24 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from exporter.onnx_fusions import FusionDidNotApply, run_fusions
+from ep_profiles import get_profile
+from exporter.onnx_passes import ONNX_PASSES, run_onnx_passes
+from exporter.onnx_passes.norm_fusions import FusionDidNotApply
+
+pytestmark = pytest.mark.l3
 
 D = 8
-FUSED = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+# What the norm-fusion passes read of the plan: the profile's norm fusions.
+FACTS = type("Facts", (), {"profile": get_profile("cpu"), "precision": "fp32"})()
+FUSION_PASSES = ("fuse_rms_norms", "fuse_skip_rms_norms", "fold_fusion_constants")
+
+
+def run_fusions(model: ir.Model) -> dict[str, int]:
+    """The CPU profile's norm-fusion passes; op type -> nodes made."""
+    records = run_onnx_passes(model, [ONNX_PASSES[name] for name in FUSION_PASSES], FACTS)
+    made = {r.name: r.changes.get("fused") for r in records}
+    return {"SimplifiedLayerNormalization": made["fuse_rms_norms"],
+            "SkipSimplifiedLayerNormalization": made["fuse_skip_rms_norms"]}
 
 
 def _rms_norm_nodes(x: str, out: str, epsilon: str = "eps") -> list:
@@ -46,12 +60,12 @@ def _model(nodes, inputs, extra_initializers=()) -> onnx.ModelProto:
 def _fuse_and_compare(proto: onnx.ModelProto, feeds: dict) -> dict[str, int]:
     expected = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)[0]
     model = ir.from_proto(proto)
-    records = run_fusions(model, FUSED)
+    made = run_fusions(model)
     fused = ir.to_proto(model)
     actual = ort.InferenceSession(fused.SerializeToString()).run(None, feeds)[0]
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
     assert not any(n.op_type in ("Pow", "ReduceMean") for n in fused.graph.node)
-    return {r.op_type: r.fused for r in records}
+    return made
 
 
 def _x(name="x"):
@@ -92,4 +106,4 @@ def test_rms_norm_that_cannot_fuse_is_an_error():
     epsilon = helper.make_tensor_value_info("runtime_eps", TensorProto.FLOAT, [])
     model = ir.from_proto(_model(_rms_norm_nodes("x", "y", epsilon="runtime_eps"), [_x(), epsilon]))
     with pytest.raises(FusionDidNotApply, match="matched nothing.*1 mean-of-squares"):
-        run_fusions(model, FUSED)
+        run_fusions(model)

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
@@ -21,15 +20,15 @@ import onnxruntime_genai as og
 import pytest
 import torch
 import transformers
-from genai_greedy import greedy
-from trained_model import train_tiny_gemma4
+from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
+from helpers.genai_greedy import GREEDY_SCRIPT, greedy
+from helpers.trained_model import train_tiny_gemma4
 
 from exporter import export
 from exporter.presets import build_preset
 from exporter.trace import GenAIDecoder, input_names, make_inputs
-from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 
-GREEDY = Path(__file__).with_name("genai_greedy.py")
+GREEDY = GREEDY_SCRIPT
 NEW_TOKENS = 24
 PROMPT_STARTS = (100, 300)  # token offsets into the training text
 PROMPT_LENGTH = 12
@@ -87,7 +86,7 @@ def test_fp16_package_computes_in_fp16(trained):
 @pytest.mark.l1
 def test_int4_package_quantizes_every_linear_and_the_tied_embedding_once(trained):
     package = trained[2]["int4-webgpu"]
-    counts, quantization = package.report.op_counts, package.report.quantization
+    counts, quantization = package.report.op_counts, package.report.onnx_pass_changes("quantize_int4")
     assert "com.microsoft.MatMulNBits" in counts and "com.microsoft.GatherBlockQuantized" in counts
     # Per decoder layer: q, k, v (owners), o, gate, up, down, per-layer gate and projection.
     assert quantization["matmuls"] == counts["com.microsoft.MatMulNBits"]
@@ -155,9 +154,9 @@ def test_greedy_continuation_matches_transformers_fp32(trained, name):
 @pytest.mark.xdist_group("webgpu")
 @pytest.mark.parametrize("name", ["fp16", "int4-webgpu"])
 def test_webgpu_greedy_continuation_matches_transformers_fp32(trained, name):
-    from test_webgpu import _require_webgpu
+    from helpers.webgpu import require_webgpu
 
-    _require_webgpu()
+    require_webgpu()
     _, _, packages, prompts, expected = trained
     done = subprocess.run(
         [sys.executable, str(GREEDY), str(packages[name].path), "webgpu", json.dumps(prompts), str(NEW_TOKENS)],

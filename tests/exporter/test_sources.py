@@ -7,13 +7,13 @@ import onnxruntime as ort
 import pytest
 import torch
 import transformers
+from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 
 from exporter import ExporterError, export
 from exporter.package import save_tokenizer
 from exporter.presets import build_preset
 from exporter.sources import LoadOptions, load
 from exporter.trace import GenAIDecoder, input_names, make_inputs
-from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 
 
 def _logits_match(package, model, tolerance=1e-4):
@@ -36,6 +36,7 @@ def llama_folder(tmp_path_factory):
     return folder, model
 
 
+@pytest.mark.l3
 def test_local_folder_exports_from_safetensors(llama_folder, tmp_path):
     folder, model = llama_folder
     package = export(str(folder), output_dir=tmp_path / "pkg")
@@ -44,6 +45,7 @@ def test_local_folder_exports_from_safetensors(llama_folder, tmp_path):
     assert _logits_match(package, model)
 
 
+@pytest.mark.l1
 def test_pickled_weights_need_opt_in(tmp_path):
     model, tokenizer = build_preset("tiny-llama")
     folder = tmp_path / "pickled"
@@ -58,12 +60,14 @@ def test_pickled_weights_need_opt_in(tmp_path):
     torch.testing.assert_close(loaded.model.lm_head.weight, model.lm_head.weight)
 
 
+@pytest.mark.l1
 def test_hub_id_offline_names_alternatives(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ExporterError, match="cannot fetch 'google/gemma-4-E2B-it'.*preset"):
         load("gemma-4-e2b")
 
 
+@pytest.mark.l1
 def test_tokenizer_file_names_cannot_escape_the_package(tmp_path):
     _, tokenizer = build_preset("tiny-llama")
     tokenizer.vocab_files_names = {"tokenizer_file": "../escaped.json"}
@@ -118,6 +122,7 @@ def _prefill_logits(package, ids: torch.Tensor) -> np.ndarray:
     return session.run(["logits"], dict(zip(input_names(layout), [t.numpy() for t in feeds], strict=True)))[0]
 
 
+@pytest.mark.l1
 def test_multimodal_generation_defaults_come_from_the_whole_config(tmp_path):
     """Without generation_config.json, a multimodal checkpoint's end-of-sequence ids are its top-level ones."""
     text_model, tokenizer = build_preset("tiny-gemma-4")
@@ -130,6 +135,7 @@ def test_multimodal_generation_defaults_come_from_the_whole_config(tmp_path):
     assert loaded.generation_config.eos_token_id == [1, 106]
 
 
+@pytest.mark.l3
 def test_in_memory_model_is_left_as_the_caller_had_it(tmp_path):
     """Exporting from a training script must not change the model: dtype and train mode stay."""
     model, tokenizer = build_preset("tiny-llama")

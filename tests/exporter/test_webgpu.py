@@ -12,31 +12,16 @@ from pathlib import Path
 import onnx_ir as ir
 import onnxruntime_genai as og
 import pytest
-from genai_greedy import greedy
+from helpers.genai_greedy import GREEDY_SCRIPT as GREEDY
+from helpers.genai_greedy import greedy
+from helpers.webgpu import WEBGPU, require_webgpu
 
-from ep_profiles import get_profile
-from exporter import ExporterError, export, graph_capture_check, onnx_passes, pipeline
-from exporter.ep_runtime import EpUnavailable, inference_session, placement
+from ep_profiles import PLAIN_ATTENTION
+from exporter import ExporterError, export, postconditions
+from exporter.ep_runtime import inference_session, placement
+from exporter.onnx_passes import ONNX_PASSES
 
-WEBGPU = get_profile("webgpu")
-GREEDY = Path(__file__).with_name("genai_greedy.py")
 pytestmark = pytest.mark.xdist_group("webgpu")
-
-
-def _require_webgpu():
-    """The EP and an adapter; in CI their absence is a failure (.ci/run installs them)."""
-    import onnxruntime as ort
-
-    try:
-        from exporter.ep_runtime import register
-
-        register(WEBGPU)
-        if not any(d.ep_name == WEBGPU.ort_provider for d in ort.get_ep_devices()):
-            raise EpUnavailable("no WebGPU adapter (is Mesa's lavapipe from bookworm-backports installed?)")
-    except EpUnavailable as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the WebGPU tests: {error}; .ci/run installs the stack")
-        pytest.skip(f"WebGPU EP not on this machine ({error}); run scripts/install_webgpu_stack.sh")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +41,7 @@ def webgpu_exports(preset_exports, tmp_path_factory):
 def test_webgpu_package_is_ready_for_graph_capture(webgpu_exports):
     _, captured, uncaptured = webgpu_exports
     model = ir.load(captured.model_path)
-    assert graph_capture_check.cpu_placed_nodes(model) == []
+    assert postconditions.cpu_placed_nodes(model) == []
     config = json.loads((captured.path / "genai_config.json").read_text())
     assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"webgpu": {"enableGraphCapture": "1"}}]
     assert config["search"]["past_present_share_buffer"] is True
@@ -65,7 +50,7 @@ def test_webgpu_package_is_ready_for_graph_capture(webgpu_exports):
     assert gqa["window_mask_layers"] == gqa["sliding_window_layers"] > 0
     assert captured.report.op_counts["com.microsoft.GroupQueryAttention"] < captured.layout.num_layers
     # Without graph capture the shape arithmetic stays (the CPU may run it).
-    assert graph_capture_check.cpu_placed_nodes(ir.load(uncaptured.model_path))
+    assert postconditions.cpu_placed_nodes(ir.load(uncaptured.model_path))
     uncaptured_config = json.loads((uncaptured.path / "genai_config.json").read_text())
     assert uncaptured_config["model"]["decoder"]["session_options"]["provider_options"] == [
         {"webgpu": {"enableGraphCapture": "0"}}]
@@ -76,7 +61,7 @@ def test_graph_capture_export_fails_when_cpu_nodes_remain(preset_exports, tmp_pa
     """Without the constant-Reshape rewrite the graph keeps shape arithmetic: the export must say
     so, name the nodes, and leave nothing behind."""
     exported = preset_exports.get("tiny-gemma-4")
-    monkeypatch.setattr(pipeline, "default_pass_list", lambda graph_capture, **options: onnx_passes.default_pass_list(False, **options))
+    monkeypatch.setattr(ONNX_PASSES["static_reshape_targets"], "applies", lambda facts: None)
     with pytest.raises(ExporterError, match=r"captures the decoder's graph, but \d+ nodes would run on the CPU "
                                             r"\(Shape .*--no-graph-capture"):
         export(exported.model, exported.tokenizer, ep="webgpu", output_dir=tmp_path / "out")
@@ -91,7 +76,7 @@ def test_graph_capture_without_a_shared_kv_buffer_is_refused(preset_exports, tmp
     import dataclasses
 
     exported = preset_exports.get("tiny-gemma-4")
-    plain = dataclasses.replace(WEBGPU, fused_ops=tuple(op for op in WEBGPU.fused_ops if op != "GroupQueryAttention"))
+    plain = dataclasses.replace(WEBGPU, attention_op=PLAIN_ATTENTION)
     with pytest.raises(ExporterError, match="captures the decoder's graph, which needs every present KV written"):
         export(exported.model, exported.tokenizer, ep=plain, output_dir=tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
@@ -99,7 +84,7 @@ def test_graph_capture_without_a_shared_kv_buffer_is_refused(preset_exports, tmp
 
 @pytest.mark.l5
 def test_every_decoder_node_runs_on_webgpu(webgpu_exports):
-    _require_webgpu()
+    require_webgpu()
     _, captured, _ = webgpu_exports
     session = inference_session(captured.model_path, WEBGPU, WEBGPU.genai_provider_options())
     assert session.get_providers()[0] == "WebGpuExecutionProvider"
@@ -111,7 +96,7 @@ def test_every_decoder_node_runs_on_webgpu(webgpu_exports):
 def test_without_the_rewrites_graph_capture_is_refused(webgpu_exports):
     """Proof the placement test can fail: the package exported without graph capture keeps shape
     arithmetic, and ONNX Runtime refuses to capture it."""
-    _require_webgpu()
+    require_webgpu()
     _, _, uncaptured = webgpu_exports
     with pytest.raises(Exception, match="cannot use the graph capture feature"):
         inference_session(uncaptured.model_path, WEBGPU, WEBGPU.genai_provider_options())
@@ -130,7 +115,7 @@ def test_graph_capture_generation_matches_cpu_past_the_window(webgpu_exports):
     """Greedy tokens of the captured WebGPU package == the CPU package's, for a prompt shorter
     than the sliding window generating 3 windows' worth, and a prompt longer than the window
     (the WebGPU GroupQueryAttention window bug would diverge right after the window)."""
-    _require_webgpu()
+    require_webgpu()
     cpu, captured, _ = webgpu_exports
     window = cpu.package.layout.sliding_window
     short = [(7 * i + 3) % 500 + 5 for i in range(6)]
@@ -150,7 +135,7 @@ def test_graph_capture_generation_matches_cpu_past_the_window(webgpu_exports):
 def test_check_command_places_the_package_on_webgpu(webgpu_exports, capsys):
     from exporter.cli import main
 
-    _require_webgpu()
+    require_webgpu()
     _, captured, uncaptured = webgpu_exports
     assert main(["check", str(captured.path), "--ep", "webgpu"]) == 0
     out = capsys.readouterr().out
@@ -159,3 +144,22 @@ def test_check_command_places_the_package_on_webgpu(webgpu_exports, capsys):
     # Without capture the CPU may take the shape arithmetic; the check says where it went.
     assert main(["check", str(uncaptured.path), "--ep", "webgpu"]) == 0
     assert "on CPUExecutionProvider (" in capsys.readouterr().out
+
+
+@pytest.mark.l1
+def test_check_fails_a_captured_package_with_cpu_shape_work(webgpu_exports, tmp_path, capsys):
+    """`check` runs the export's own post-condition: a package that asks for graph capture but
+    computes shapes on the CPU fails, naming the nodes, whether or not the EP is installed."""
+    import shutil
+
+    from exporter.cli import main
+
+    _, _, uncaptured = webgpu_exports
+    package = tmp_path / "package"
+    shutil.copytree(uncaptured.path, package)
+    config = json.loads((package / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["provider_options"] = [{"webgpu": {"enableGraphCapture": "1"}}]
+    (package / "genai_config.json").write_text(json.dumps(config))
+    main(["check", str(package), "--ep", "webgpu"])
+    out = capsys.readouterr().out
+    assert "FAIL  graph_capture" in out and "nodes would run on the CPU (Shape" in out

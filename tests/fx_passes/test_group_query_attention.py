@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import FAMILIES
+from helpers.families import FAMILIES
 
 from ep_profiles import get_profile
 from exporter.layout import derive_layout

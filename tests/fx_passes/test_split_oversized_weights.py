@@ -25,6 +25,7 @@ LIMIT = 64 * 1024  # tiny-gemma-4's per-layer table is 320 KiB in fp32, its tied
 PROFILE = dataclasses.replace(get_profile("cpu"), name="cpu-64k", max_buffer_size=LIMIT)
 
 
+@pytest.mark.l1
 def test_piece_bounds_prefer_layer_boundaries():
     # 10 layers x 16 columns, 512 rows of 4 bytes: 32 columns fit, i.e. two layers a piece
     assert piece_bounds(160, 512, 4, LIMIT, multiple_of=16) == [(0, 32), (32, 64), (64, 96), (96, 128), (128, 160)]
@@ -42,7 +43,7 @@ def test_split_keeps_results_exactly():
     cases = [make_inputs(layout, 2, 5, 3, generator=generator), make_inputs(layout, 1, 1, 9, generator=generator)]
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
-    context = PassContext(profile=PROFILE, layout=layout, options={"precision": "fp32"})
+    context = PassContext(profile=PROFILE, layout=layout, precision="fp32", weight_bytes=4)
     program, records = run_fx_passes(program, [FX_PASSES["split_oversized_weights"]], context)
     # tied embedding / LM head (one parameter, two uses) and the per-layer table
     assert records[0].changes == {"weights_split": 2, "pieces": 2 + 2 + 5}

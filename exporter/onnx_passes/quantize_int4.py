@@ -24,6 +24,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import common
 
+from exporter.errors import ExporterError
+
 
 def _import_quantizer():
     """onnxruntime's quantizer module calls ``logging.basicConfig(level=INFO)`` on import, which
@@ -96,13 +98,34 @@ class _Quantized:
     k: int
 
 
-class QuantizeWeightsInt4(ir.passes.InPlacePass):
-    def __init__(self, options: Int4Options = Int4Options()):
-        super().__init__()
+class QuantizeInt4:
+    """The pass: every MatMul with a constant weight and every embedding Gather, at the plan's
+    int4 options; an int4 export with nothing to quantize is an error."""
+
+    name = "quantize_int4"
+
+    def applies(self, facts) -> str | None:
+        if facts.precision != "int4":
+            return None
+        options = facts.int4
+        return (f"int4 weights: block size {options.block_size}, {'symmetric' if options.symmetric else 'asymmetric'}, "
+                f"accuracy level {options.accuracy_level}")
+
+    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+        quantizer = _Quantizer(facts.int4)
+        quantizer.run(model)
+        if not quantizer.matmuls:
+            raise ExporterError("int4 quantization found no MatMul with a constant weight to quantize")
+        return {"matmuls": quantizer.matmuls, "gathers": quantizer.gathers,
+                "tables_shared_with_lm_head": quantizer.shared_tables}
+
+
+class _Quantizer:
+    def __init__(self, options: Int4Options):
         self.options = options
         self.matmuls = self.gathers = self.shared_tables = 0
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def run(self, model: ir.Model) -> None:
         graph = model.graph
         quantized: dict[int, _Quantized] = {}  # id of the source [n, k] initializer -> its parts
         tables = {}
@@ -141,7 +164,6 @@ class QuantizeWeightsInt4(ir.passes.InPlacePass):
             self.gathers += 1
         # The float weights (and transposes of them) that nothing reads any more.
         common.RemoveUnusedNodesPass()(model)
-        return ir.passes.PassResult(model, modified=bool(self.matmuls or self.gathers))
 
     def _quantize(self, graph: ir.Graph, source: ir.Value, transposed: bool, k: int, n: int) -> _Quantized:
         """``source`` is the weight as stored: [k, n] (x @ w), or [n, k] when ``transposed``."""

@@ -17,6 +17,8 @@ import onnxruntime_genai as og
 from ep_profiles import get_profile
 from exporter.ep_runtime import register
 
+GREEDY_SCRIPT = Path(__file__)  # run as a script: a process of its own
+
 
 def greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     results = []

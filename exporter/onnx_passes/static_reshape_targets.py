@@ -46,8 +46,13 @@ def _target(node: ir.Node) -> list[int] | None:
     return target if target.count(-1) <= 1 else None
 
 
-class StaticReshapeTargets(ir.passes.InPlacePass):
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+class StaticReshapeTargets:
+    name = "static_reshape_targets"
+
+    def applies(self, facts) -> str | None:
+        return "a captured graph runs no shape arithmetic on the CPU" if facts.graph_capture else None
+
+    def __call__(self, model: ir.Model, facts=None) -> dict[str, int]:
         rewritten = 0
         for node in model.graph.all_nodes():
             if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or _constant(node.inputs[1]) is not None:
@@ -64,4 +69,4 @@ class StaticReshapeTargets(ir.passes.InPlacePass):
             # it has no literal 0 (``_target`` refuses those).
             node.attributes["allowzero"] = ir.AttrInt64("allowzero", 0)
             rewritten += 1
-        return ir.passes.PassResult(model, modified=bool(rewritten))
+        return {"targets_made_constant": rewritten}

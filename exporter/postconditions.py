@@ -1,4 +1,9 @@
-"""Find the nodes an EP would run on the CPU in a graph that must be captured.
+"""What must hold of a finished decoder graph, read off the graph alone: the export checks it
+before writing, and ``check`` checks a package with the same functions.
+
+- ``cpu_placed_nodes``: the nodes an EP would run on the CPU in a graph that must be captured.
+- ``presents_written_in_place``: whether every present KV is written by GroupQueryAttention, the
+  only attention that can share one KV buffer between past and present.
 
 Graph capture (WebGPU's command recording, CUDA graphs) replays the device work of one run, so a
 captured session refuses any node placed on the CPU. ONNX Runtime places on the CPU whatever
@@ -62,3 +67,40 @@ def describe(nodes: list[ir.Node], limit: int = 6) -> str:
     named = ", ".join(f"{n.op_type} {n.name}" for n in nodes[:limit])
     more = f" and {len(nodes) - limit} more" if len(nodes) > limit else ""
     return named + more
+
+
+def presents_written_in_place(model: ir.Model) -> bool:
+    """Every ``present.*`` output is written by GroupQueryAttention (there is at least one)."""
+    has_presents = any(v.name.startswith("present.") for v in model.graph.outputs)
+    return has_presents and not presents_not_in_place(model)
+
+
+def presents_not_in_place(model: ir.Model) -> list[str]:
+    """The ``present.*`` outputs something other than GroupQueryAttention writes."""
+    return sorted(v.name for v in model.graph.outputs
+                  if v.name.startswith("present.") and ((node := v.producer()) is None or node.op_type != "GroupQueryAttention"))
+
+
+def require(model: ir.Model, settings) -> None:
+    """The export's check of a finished decoder against its plan (``exporter.plan.ExportSettings``):
+    a one-line ``ExporterError`` before anything is written where GenAI would refuse the package."""
+    from exporter.errors import ExporterError
+
+    name = settings.profile.name
+    if settings.share_kv_buffer and not presents_written_in_place(model):
+        raise ExporterError(f"EP '{name}' shares the KV buffer, but some present KV is not written by "
+                            "GroupQueryAttention; please report the model")
+    if not settings.graph_capture:
+        return
+    if not settings.share_kv_buffer:
+        # ONNX Runtime GenAI captures only decoders whose past and present share one buffer.
+        raise ExporterError(
+            f"EP '{name}' captures the decoder's graph, which needs every present KV written in place "
+            "by GroupQueryAttention (a shared past/present buffer), and this graph's are not; export with "
+            "--no-graph-capture (API: graph_capture=False)"
+        )
+    if on_cpu := cpu_placed_nodes(model):
+        raise ExporterError(
+            f"EP '{name}' captures the decoder's graph, but {len(on_cpu)} nodes would run on the CPU "
+            f"({describe(on_cpu)}); export with --no-graph-capture (API: graph_capture=False), or report the model"
+        )

@@ -1,4 +1,4 @@
-"""Fusions into ONNX Runtime's contrib ops, chosen by the EP profile's ``fused_ops``.
+"""Norm fusions into ONNX Runtime's contrib ops, where the EP profile's ``norm_fusions`` lists them.
 
 onnxscript's rewrite rules do the matching (``ort_fusions``: RMSNorm -> SimplifiedLayerNormalization,
 Add + SimplifiedLayerNormalization -> SkipSimplifiedLayerNormalization, whose check requires both
@@ -13,15 +13,13 @@ the node count.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 import onnx_ir as ir
 from onnx_ir.passes import common
-from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter import RewritePass, _ir_utils, pattern
 from onnxscript.rewriter.ort_fusions.rms_normalization import rms_normalization_rules
 from onnxscript.rewriter.ort_fusions.skip_normalization import SkipRmsNormFusion
+
+from exporter.onnx_passes.base import count_nodes, run_in_place
 
 
 class PowNegativeHalfToRsqrt(pattern.RewriteRuleClassBase):
@@ -90,71 +88,72 @@ class _SameDtypeSkipRmsNormFusion(SkipRmsNormFusion):
         return result
 
 
-@dataclass(frozen=True)
-class FusionRecord:
-    op_type: str
-    fused: int
-    seconds: float
-
-
-# Each fused op: the rules that produce it, run in this order.
-_FUSIONS = {
-    "SimplifiedLayerNormalization": lambda: [
-        PowNegativeHalfToRsqrt.rule(), *rms_normalization_rules, NormInInputDtype.rule()
-    ],
-    # The same three rules as onnxscript's skip_rms_normalization_ruleset, with the dtype guard.
-    "SkipSimplifiedLayerNormalization": lambda: [
-        _SameDtypeSkipRmsNormFusion.rule("SkipRmsNormPreAddBias", has_bias=True, bias_pre_add=True),
-        _SameDtypeSkipRmsNormFusion.rule("SkipRmsNormAddBias", has_bias=True, bias_pre_add=False),
-        _SameDtypeSkipRmsNormFusion.rule("SkipRmsNorm", has_bias=False),
-    ],
-}
-KNOWN_FUSED_OPS = tuple(_FUSIONS)
+SIMPLIFIED_LAYER_NORM = "SimplifiedLayerNormalization"
+SKIP_SIMPLIFIED_LAYER_NORM = "SkipSimplifiedLayerNormalization"
+KNOWN_NORM_FUSIONS = (SIMPLIFIED_LAYER_NORM, SKIP_SIMPLIFIED_LAYER_NORM)
 
 
 class FusionDidNotApply(RuntimeError):
     pass
 
 
-def run_fusions(model: ir.Model, fused_ops: tuple[str, ...]) -> list[FusionRecord]:
-    records = []
-    for op_type in KNOWN_FUSED_OPS:  # fixed order: skip fusion needs the plain one first
-        if op_type not in fused_ops:
-            continue
-        before = _count(model, op_type)
-        start = time.perf_counter()
-        RewritePass(_FUSIONS[op_type]())(model)
-        common.RemoveUnusedNodesPass()(model)
-        records.append(FusionRecord(op_type, _count(model, op_type) - before, time.perf_counter() - start))
-    # Rules may leave constant subgraphs behind (a norm scale cast to the input's dtype).
-    _constant_folding.FoldConstantsPass(
-        shape_inference=False,
-        input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-        output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
-    )(model)
-    common.RemoveUnusedNodesPass()(model)
-    _check_rms_norms_fused(model, fused_ops, records)
-    return records
+class _NormFusion:
+    """Rewrite the graph into ``op_type`` with ``rules()`` where the profile fuses that op."""
+
+    op_type: str
+
+    def applies(self, facts) -> str | None:
+        return f"{facts.profile.name} runs {self.op_type}" if self.op_type in facts.profile.norm_fusions else None
+
+    def rules(self) -> list:
+        raise NotImplementedError
+
+    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+        before = count_nodes(model, self.op_type)
+        run_in_place(RewritePass(self.rules()), model)
+        run_in_place(common.RemoveUnusedNodesPass(), model)
+        return {"fused": count_nodes(model, self.op_type) - before}
 
 
-def _count(model: ir.Model, op_type: str) -> int:
-    return sum(1 for node in model.graph.all_nodes() if node.op_type == op_type)
+class FuseRmsNorms(_NormFusion):
+    """RMSNorm -> SimplifiedLayerNormalization (Gemma's ``pow(-0.5)`` form too, and a half-precision
+    model's fp32-inside norm as one norm in its dtype). Matching nothing while the graph has
+    RMSNorm-like subgraphs is an error, not a silent no-op."""
+
+    name = "fuse_rms_norms"
+    op_type = SIMPLIFIED_LAYER_NORM
+
+    def rules(self) -> list:
+        return [PowNegativeHalfToRsqrt.rule(), *rms_normalization_rules, NormInInputDtype.rule()]
+
+    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+        changes = super().__call__(model, facts)
+        squares_averaged = [
+            node for node in model.graph.all_nodes()
+            if node.op_type == "ReduceMean"
+            and (producer := node.inputs[0].producer()) is not None
+            and producer.op_type == "Pow"
+            and _ir_utils.get_singleton_value(producer.inputs[1]) == 2.0
+        ]
+        if changes["fused"] == 0 and squares_averaged:
+            raise FusionDidNotApply(
+                f"SimplifiedLayerNormalization fusion matched nothing, but the graph has {len(squares_averaged)} "
+                f"mean-of-squares (RMSNorm-like) subgraphs, e.g. at {squares_averaged[0].name}"
+            )
+        return changes
 
 
-def _check_rms_norms_fused(model: ir.Model, fused_ops, records) -> None:
-    """RMSNorm fusion asked for, norms in the graph, none fused: an error, not a silent no-op."""
-    if "SimplifiedLayerNormalization" not in fused_ops:
-        return
-    fused = next(r.fused for r in records if r.op_type == "SimplifiedLayerNormalization")
-    squares_averaged = [
-        node for node in model.graph.all_nodes()
-        if node.op_type == "ReduceMean"
-        and (producer := node.inputs[0].producer()) is not None
-        and producer.op_type == "Pow"
-        and _ir_utils.get_singleton_value(producer.inputs[1]) == 2.0
-    ]
-    if fused == 0 and squares_averaged:
-        raise FusionDidNotApply(
-            f"SimplifiedLayerNormalization fusion matched nothing, but the graph has {len(squares_averaged)} "
-            f"mean-of-squares (RMSNorm-like) subgraphs, e.g. at {squares_averaged[0].name}"
-        )
+class FuseSkipRmsNorms(_NormFusion):
+    """Residual Add + SimplifiedLayerNormalization -> SkipSimplifiedLayerNormalization, with the
+    rank guard (both Add inputs [batch, seq, hidden]) and the one-dtype guard."""
+
+    name = "fuse_skip_rms_norms"
+    op_type = SKIP_SIMPLIFIED_LAYER_NORM
+
+    def rules(self) -> list:
+        # The same three rules as onnxscript's skip_rms_normalization_ruleset, with the dtype guard.
+        return [
+            _SameDtypeSkipRmsNormFusion.rule("SkipRmsNormPreAddBias", has_bias=True, bias_pre_add=True),
+            _SameDtypeSkipRmsNormFusion.rule("SkipRmsNormAddBias", has_bias=True, bias_pre_add=False),
+            _SameDtypeSkipRmsNormFusion.rule("SkipRmsNorm", has_bias=False),
+        ]

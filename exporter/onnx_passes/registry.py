@@ -1,0 +1,22 @@
+"""Every ONNX pass, in the order they run: the export plan keeps those whose ``applies`` says why
+(``exporter.plan``). A new pass is one module plus one line here."""
+
+from exporter.onnx_passes.fold_constants import FoldConstants
+from exporter.onnx_passes.fold_weight_transposes import FoldWeightTransposes
+from exporter.onnx_passes.inline_functions import InlineFunctions
+from exporter.onnx_passes.norm_fusions import FuseRmsNorms, FuseSkipRmsNorms
+from exporter.onnx_passes.quantize_int4 import QuantizeInt4
+from exporter.onnx_passes.static_reshape_targets import StaticReshapeTargets
+from exporter.onnx_passes.tidy import Tidy
+
+ONNX_PASSES = {p.name: p for p in (
+    InlineFunctions(),
+    FoldWeightTransposes(),
+    FoldConstants(),
+    StaticReshapeTargets(),
+    Tidy(),
+    FuseRmsNorms(),  # before the skip fusion, which fuses the Add into its norms
+    FuseSkipRmsNorms(),
+    FoldConstants(after_fusions=True),
+    QuantizeInt4(),
+)}

@@ -1,0 +1,41 @@
+"""The clean-up list after folding, chosen for linear cost: dead nodes, functions and opsets,
+identities, common subexpressions, small constants lifted to initializers, duplicate initializers,
+output and name fixes, and node metadata cleared. onnxscript's default rewrite-rule set is left
+out: its matching cost grows with the square of the node count."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes import common
+
+from exporter.onnx_passes.base import run_in_place
+
+
+def _tidy_passes() -> list[ir.passes.PassBase]:
+    return [
+        common.RemoveUnusedNodesPass(),
+        common.RemoveUnusedFunctionsPass(),
+        common.RemoveUnusedOpsetsPass(),
+        common.IdentityEliminationPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=16),
+        common.DeduplicateInitializersPass(),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+        # Node metadata holds torch.onnx's FX provenance (stack traces, node reprs): several MB
+        # per model, and its text varies between runs, which would break byte-identical exports.
+        common.ClearMetadataAndDocStringPass(),
+    ]
+
+
+class Tidy:
+    name = "tidy"
+
+    def applies(self, facts) -> str | None:
+        return "lowering and folding leave dead nodes, duplicates and provenance metadata"
+
+    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+        for ir_pass in _tidy_passes():
+            run_in_place(ir_pass, model)
+        return {"initializers": len(model.graph.initializers)}

@@ -1,0 +1,122 @@
+"""The export plan, computed in one place from the profile's facts, the precision, the options and
+the model's facts: for each session, the FX passes and the ONNX passes in order, each with why it
+applies. ``python -m exporter plan MODEL --ep X`` prints it; the export report records it.
+
+A pass is planned where its ``applies(settings)`` gives a reason; passes never re-check their own
+scheduling. The settings are what the plan decided about the profile (graph capture on or off,
+the attention op at this precision), so no stage rewrites the profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ep_profiles import EpProfile
+from exporter.layout import DecoderLayout
+from exporter.onnx_passes import ONNX_PASSES
+from exporter.onnx_passes.quantize_int4 import Int4Options
+from exporter.precisions import PRECISIONS
+from exporter.sessions import SESSIONS
+from fx_passes import FX_PASSES
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """The facts every pass's ``applies`` reads (``fx_passes.base.PlanFacts``)."""
+
+    profile: EpProfile
+    layout: DecoderLayout
+    precision: str
+    graph_capture: bool  # the profile captures the decoder's graph and the caller did not turn it off
+    attention_op: bool  # the profile's attention op (GroupQueryAttention) runs at this precision
+    full_logits: bool
+    int4: Int4Options | None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision].compute_dtype(self.profile)
+
+    @property
+    def weight_bytes(self) -> float:
+        return PRECISIONS[self.precision].weight_bytes
+
+    @property
+    def share_kv_buffer(self) -> bool:
+        """Whether the package asks for one KV buffer for past and present (the export then checks
+        that GroupQueryAttention writes every present)."""
+        return self.profile.past_present_share_buffer and self.attention_op
+
+
+@dataclass(frozen=True)
+class PlannedPass:
+    name: str
+    why: str
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    name: str
+    fx_passes: tuple[PlannedPass, ...]
+    onnx_passes: tuple[PlannedPass, ...]
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    settings: ExportSettings
+    sessions: tuple[SessionPlan, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        settings = self.settings
+        return {
+            "ep": settings.profile.name,
+            "precision": settings.precision,
+            "graph_capture": settings.graph_capture,
+            "attention_op": settings.profile.attention_op if settings.attention_op else "plain",
+            "full_logits": settings.full_logits,
+            "sessions": [
+                {
+                    "name": session.name,
+                    "fx_passes": [vars(p) for p in session.fx_passes],
+                    "onnx_passes": [vars(p) for p in session.onnx_passes],
+                }
+                for session in self.sessions
+            ],
+        }
+
+    def to_text(self) -> str:
+        settings = self.settings
+        capture = "on" if settings.graph_capture else "off"
+        lines = [f"Export plan: {settings.profile.name}, {settings.precision}, graph capture {capture}"]
+        for session in self.sessions:
+            lines.append(f"\nsession {session.name}")
+            for title, passes in (("FX passes", session.fx_passes), ("ONNX passes", session.onnx_passes)):
+                lines.append(f"  {title}:")
+                width = max(len(p.name) for p in passes)
+                lines += [f"    {p.name:<{width}}  {p.why}" for p in passes]
+        return "\n".join(lines)
+
+
+def export_settings(profile: EpProfile, layout: DecoderLayout, precision: str, *, graph_capture: bool = True,
+                    full_logits: bool = False, int4: Int4Options | None = None) -> ExportSettings:
+    return ExportSettings(
+        profile=profile,
+        layout=layout,
+        precision=precision,
+        graph_capture=profile.graph_capture and graph_capture,
+        attention_op=profile.runs_attention_op_at(precision),
+        full_logits=full_logits,
+        int4=int4,
+    )
+
+
+def make_plan(settings: ExportSettings) -> ExportPlan:
+    def planned(registry) -> tuple[PlannedPass, ...]:
+        return tuple(PlannedPass(p.name, why) for p in registry.values() if (why := p.applies(settings)))
+
+    return ExportPlan(settings, tuple(
+        SessionPlan(name, planned(FX_PASSES), planned(ONNX_PASSES))
+        for name, session in SESSIONS.items() if session.applies(settings)
+    ))

@@ -1,0 +1,75 @@
+"""The precision policy, in one place: what each ``--precision`` computes in, how many bytes a
+stored weight takes, and how far its packages may differ from the CPU and from transformers.
+
+``fp32``, ``fp16`` and ``bf16`` trace the model in that dtype (the graph computes what transformers
+computes in it). ``int4`` stores 4-bit weights and computes in the profile's ``int4_activations``
+(fp16 on GPUs, fp32 on the CPU, whose 4-bit kernels take fp32 best).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ep_profiles import EpProfile
+from exporter.errors import ExporterError
+from exporter.onnx_passes.quantize_int4 import Int4Options
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    dtype: torch.dtype | None  # what the graph computes in; None: the profile's int4_activations
+    weight_bytes: float  # bytes per stored weight element (int4: 4 bits + an fp16 scale per 32)
+    # How far below the CPU's best logit an EP's token may be where the two generations part
+    # (``check``): EPs sum in other orders, so a near tie may go either way.
+    ep_near_tie: float
+    # ``check --against``: max |package logit - transformers fp32 logit| at any step, and how far
+    # below transformers' best the package's token may be.
+    source_logits: float
+    source_near_tie: float
+
+    def compute_dtype(self, profile: EpProfile) -> torch.dtype:
+        return self.dtype if self.dtype is not None else PRECISIONS[profile.int4_activations].dtype
+
+
+# ep_near_tie: fp32 kernels agree to ~1e-5; fp16 logits round at ~0.015 near Gemma's soft cap of
+# 30 and differences add up over layers (a random tiny Gemma 4 in fp16: 0.17 between CPU and
+# WebGPU); int4 kernels differ by ~0.05 per MatMul.
+# source_*: fp32 differs from PyTorch by kernels and summation order (~1e-5 on the suite's
+# models); fp16 on a trained tiny Gemma 4 by 4.7e-3 (real models more); bf16 keeps 3 fewer
+# mantissa bits than fp16; int4's weights themselves differ (trained tiny Gemma 4: 0.54 at logit
+# std 1.5).
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", torch.float32, 4, ep_near_tie=1e-3, source_logits=1e-3, source_near_tie=1e-3),
+        Precision("fp16", torch.float16, 2, ep_near_tie=0.25, source_logits=0.25, source_near_tie=0.25),
+        Precision("bf16", torch.bfloat16, 2, ep_near_tie=0.5, source_logits=1.0, source_near_tie=0.5),
+        Precision("int4", None, 0.5625, ep_near_tie=0.5, source_logits=3.0, source_near_tie=1.0),
+    )
+}
+
+
+def choose_precision(profile: EpProfile, asked: str | None) -> str:
+    """``asked``, checked against what the profile's EP runs; without one, the EP's preferred."""
+    if asked is None:
+        return profile.default_precision
+    if asked not in profile.precisions:
+        known = "known" if asked in PRECISIONS else "unknown"
+        raise ExporterError(
+            f"precision '{asked}' ({known}) is not supported for EP '{profile.name}'; use one of: "
+            + ", ".join(profile.precisions)
+        )
+    return asked
+
+
+def int4_options(profile: EpProfile, precision: str, given: Int4Options | None) -> Int4Options | None:
+    """The int4 settings of an export: ``given``, or the defaults with the profile's accuracy level;
+    None for other precisions (where options given are an error)."""
+    if precision != "int4":
+        if given is not None:
+            raise ExporterError(f"int4 options apply to --precision int4, not {precision}")
+        return None
+    return given or Int4Options(accuracy_level=profile.int4_accuracy_level)

@@ -1,0 +1,56 @@
+"""Make a loaded model ready to trace: cast it to the export's compute dtype (a copy for a caller's
+in-memory model), read its KV layout from one run, and swap tensors whose values come at write time
+(empty parameters, a checkpoint's persistent buffers) for fake ones."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from exporter import weights
+from exporter.compute_dtype import cast_like_from_pretrained
+from exporter.errors import ExporterError
+from exporter.layout import DecoderLayout, derive_layout
+from exporter.sources import LoadedModel
+
+
+@dataclass
+class PreparedModel:
+    model: transformers.PreTrainedModel
+    layout: DecoderLayout
+    # Every saved tensor's shape, for matching initializers to tensors; None where the weights are
+    # in the model.
+    saved_shapes: dict[str, tuple[int, ...]] | None
+
+
+def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
+    model = loaded.model
+    if loaded.weights is not None:
+        cast_like_from_pretrained(model, dtype)  # empty parameters, built for this export: no copy
+        model.tie_weights()  # converting meta parameters replaces them, untying a tied LM head
+    elif any(p.dtype != dtype for p in model.parameters()):
+        # A copy: an in-memory model belongs to the caller (often mid-training) and keeps its dtype.
+        model = copy.deepcopy(model)
+        cast_like_from_pretrained(model, dtype)
+        loaded.notes.append(f"weights converted to {str(dtype).removeprefix('torch.')} for tracing "
+                            "(a copy; the model is unchanged)")
+    try:
+        layout = derive_layout(model)
+    except Exception as error:
+        raise ExporterError(
+            f"{type(model).__name__} could not run with a KV cache ({_first_line(error)}); "
+            "only decoder LMs with a transformers KV cache can be exported"
+        ) from None
+    saved_shapes = None
+    if loaded.weights is not None:
+        saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+        weights.fake_weights(model, buffers=loaded.weights.provides_buffers)
+    return PreparedModel(model, layout, saved_shapes)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

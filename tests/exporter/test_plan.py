@@ -1,0 +1,118 @@
+"""The golden plan: which passes run where, for every profile x precision, written out.
+
+The first file to read to see what runs where. Each row is (model, EP, precision) -> the decoder
+session's FX passes and ONNX passes, in order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ep_profiles import get_profile
+from exporter.cli import main
+from exporter.layout import derive_layout
+from exporter.plan import export_settings, make_plan
+from exporter.precisions import int4_options
+from exporter.presets import build_preset
+
+CLEANUP = ["drop_runtime_asserts", "drop_noop_casts"]
+GQA = "substitute_group_query_attention"
+SPLIT = "split_oversized_weights"
+LAST_TOKEN = "gather_last_token"
+TRUNCATE = "truncate_shared_kv_layers"
+
+LOWERED = ["inline_functions", "fold_weight_transposes", "fold_constants"]
+CAPTURE = ["static_reshape_targets"]
+TIDY_AND_FUSE = ["tidy", "fuse_rms_norms", "fuse_skip_rms_norms", "fold_fusion_constants"]
+INT4 = ["quantize_int4"]
+
+GEMMA4_FX = [*CLEANUP, GQA, LAST_TOKEN, TRUNCATE]
+LLAMA_FX = [*CLEANUP, GQA, LAST_TOKEN]
+ONNX = [*LOWERED, *TIDY_AND_FUSE]
+ONNX_CAPTURED = [*LOWERED, *CAPTURE, *TIDY_AND_FUSE]
+
+GOLDEN = {
+    ("tiny-gemma-4", "cpu", "fp32"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "cpu", "int4"): (GEMMA4_FX, ONNX + INT4),
+    ("tiny-gemma-4", "cuda", "fp16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "cuda", "bf16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "cuda", "fp32"): ([*CLEANUP, LAST_TOKEN, TRUNCATE], ONNX),  # no fp32 GroupQueryAttention
+    ("tiny-gemma-4", "cuda", "int4"): (GEMMA4_FX, ONNX + INT4),
+    ("tiny-gemma-4", "dml", "fp16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "dml", "fp32"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "dml", "int4"): (GEMMA4_FX, ONNX + INT4),
+    ("tiny-gemma-4", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED),
+    ("tiny-gemma-4", "webgpu", "fp32"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED),
+    ("tiny-gemma-4", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED + INT4),
+    ("tiny-gemma-4", "trt-rtx", "fp16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "trt-rtx", "bf16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "trt-rtx", "fp32"): ([*CLEANUP, LAST_TOKEN, TRUNCATE], ONNX),
+    ("tiny-gemma-4", "trt-rtx", "int4"): (GEMMA4_FX, ONNX + INT4),
+    ("tiny-llama", "cpu", "fp32"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "cpu", "int4"): (LLAMA_FX, ONNX + INT4),
+    ("tiny-llama", "cuda", "fp16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "cuda", "bf16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "cuda", "fp32"): ([*CLEANUP, LAST_TOKEN], ONNX),
+    ("tiny-llama", "cuda", "int4"): (LLAMA_FX, ONNX + INT4),
+    ("tiny-llama", "dml", "fp16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "dml", "fp32"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "dml", "int4"): (LLAMA_FX, ONNX + INT4),
+    ("tiny-llama", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED),
+    ("tiny-llama", "webgpu", "fp32"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED),
+    ("tiny-llama", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED + INT4),
+    ("tiny-llama", "trt-rtx", "fp16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "trt-rtx", "bf16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "trt-rtx", "fp32"): ([*CLEANUP, LAST_TOKEN], ONNX),
+    ("tiny-llama", "trt-rtx", "int4"): (LLAMA_FX, ONNX + INT4),
+}
+
+_LAYOUTS = {}
+
+
+def _plan(model: str, ep: str, precision: str, **options):
+    if model not in _LAYOUTS:
+        _LAYOUTS[model] = derive_layout(build_preset(model)[0])
+    profile = get_profile(ep)
+    settings = export_settings(profile, _LAYOUTS[model], precision, int4=int4_options(profile, precision, None),
+                               **options)
+    return make_plan(settings)
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("key", list(GOLDEN), ids=["/".join(k) for k in GOLDEN])
+def test_golden_plan(key):
+    fx, onnx = GOLDEN[key]
+    (session,) = _plan(*key).sessions
+    assert session.name == "decoder"
+    assert [p.name for p in session.fx_passes] == fx
+    assert [p.name for p in session.onnx_passes] == onnx
+    assert all(p.why for p in (*session.fx_passes, *session.onnx_passes))
+
+
+@pytest.mark.l1
+def test_every_profile_and_precision_has_a_golden_row():
+    from ep_profiles import PROFILES
+
+    assert {(m, name, p) for m in ("tiny-gemma-4", "tiny-llama") for name, profile in PROFILES.items()
+            for p in profile.precisions} == set(GOLDEN)
+
+
+@pytest.mark.l1
+def test_options_change_the_plan():
+    full = _plan("tiny-gemma-4", "webgpu", "fp16", full_logits=True, graph_capture=False).sessions[0]
+    assert [p.name for p in full.fx_passes] == [*CLEANUP, SPLIT, GQA]
+    assert "static_reshape_targets" not in [p.name for p in full.onnx_passes]
+
+
+@pytest.mark.l1
+def test_plan_command_lists_sessions_and_passes(capsys):
+    assert main(["plan", "tiny-gemma-4", "--ep", "webgpu", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["ep"], plan["precision"], plan["graph_capture"]) == ("webgpu", "fp16", True)
+    (decoder,) = plan["sessions"]
+    assert decoder["name"] == "decoder"
+    assert [p["name"] for p in decoder["fx_passes"]] == GOLDEN[("tiny-gemma-4", "webgpu", "fp16")][0]
+    assert decoder["onnx_passes"][3] == {"name": "static_reshape_targets",
+                                         "why": "a captured graph runs no shape arithmetic on the CPU"}
+    assert main(["plan", "tiny-gemma-4", "--ep", "tpu"]) == 2
