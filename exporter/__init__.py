@@ -1,6 +1,7 @@
 """Export Hugging Face decoder LMs to ONNX Runtime GenAI packages, through torch.export."""
 
 from exporter.errors import ExporterError
+from exporter.onnx_passes.quantize_int4 import Int4Options
 from exporter.pipeline import ExportedPackage, export
 
-__all__ = ["ExportedPackage", "ExporterError", "export"]
+__all__ = ["ExportedPackage", "ExporterError", "Int4Options", "export"]

@@ -180,6 +180,10 @@ def _check_graph_capture(context: _Context) -> Iterator[Finding]:
     if _provider_options(context).get(context.profile.graph_capture_option or "-") != "1":
         yield Finding("graph_capture", True, "graph capture off: the CPU may take shape work")
         return
+    if not context.config["search"].get("past_present_share_buffer"):
+        # ONNX Runtime GenAI captures only decoders whose past and present share one buffer.
+        yield Finding("graph_capture", False, "graph capture is on but past_present_share_buffer is off")
+        return
     on_cpu = postconditions.cpu_placed_nodes(context.model)
     yield Finding("graph_capture", not on_cpu,
                   f"{len(on_cpu)} nodes would run on the CPU ({postconditions.describe(on_cpu)})" if on_cpu

@@ -66,8 +66,11 @@ def _umask() -> int:
 
 
 def save_model(model: ir.Model, folder: Path, filename: str = MODEL_FILENAME) -> None:
-    """The model as ``filename`` with its weights as external data beside it (``filename``.data)."""
-    ir.save(model, folder / filename, external_data=f"{filename}.data")
+    """The model as ``filename`` (which may name a session's subfolder) with its weights as
+    external data beside it (``<name>.data``, a path relative to the model file)."""
+    path = folder / filename
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ir.save(model, path, external_data=f"{path.name}.data")
 
 
 def save_json(data: Any, path: Path) -> None:

@@ -93,8 +93,8 @@ class ExportPlan:
         for session in self.sessions:
             lines.append(f"\nsession {session.name}")
             for title, passes in (("FX passes", session.fx_passes), ("ONNX passes", session.onnx_passes)):
-                lines.append(f"  {title}:")
-                width = max(len(p.name) for p in passes)
+                lines.append(f"  {title}:" + ("" if passes else " none"))
+                width = max((len(p.name) for p in passes), default=0)
                 lines += [f"    {p.name:<{width}}  {p.why}" for p in passes]
         return "\n".join(lines)
 

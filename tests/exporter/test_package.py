@@ -129,3 +129,26 @@ def test_cli_list_names_presets_aliases_and_eps(capsys):
     out = capsys.readouterr().out
     for name in ("tiny-gemma-4", "gemma-4-e2b-shape", "gemma-4-e2b", "google/gemma-4-E2B-it", "cpu", "webgpu"):
         assert name in out
+
+
+@pytest.mark.l1
+def test_a_session_model_saves_into_its_subfolder(tmp_path):
+    """Room for a package of several sessions: a model file name with a folder gets the folder,
+    and its weights land beside it."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from exporter.package import save_model
+
+    weight = numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(8, 8), "weight")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "weight"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], [weight])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    save_model(model, tmp_path, "vision/model.onnx")
+    assert sorted(p.name for p in (tmp_path / "vision").iterdir()) == ["model.onnx", "model.onnx.data"]
+    session = ort.InferenceSession(str(tmp_path / "vision" / "model.onnx"))
+    x = np.ones((1, 8), np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], x @ np.arange(64, dtype=np.float32).reshape(8, 8))
