@@ -10,6 +10,12 @@ profile allows), and a short greedy generation runs on the CPU and, where the EP
 gives the same tokens on the EP. Checks that need an EP this machine lacks are reported as
 skipped. With ``--against SOURCE``, the package is also compared with transformers running the
 source (``exporter.check_against``).
+
+A multimodal package (Gemma 4: decoder, embedding, vision and speech sessions) is checked session by
+session: domains and buffer limits of every graph, each section's I/O mapping against its graph (a
+missing ``per_layer_inputs`` mapping fails: GenAI would run and be silently wrong), the processor
+configs load, each session's placement on the EP (only the decoder's must be all on the EP when it
+is captured), and a greedy generation from a generated image and audio clip.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from exporter.precisions import PRECISIONS
 
 KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft"}
 SMOKE_TOKENS = 8
+SESSION_SECTIONS = ("decoder", "embedding", "vision", "speech")
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,15 @@ class _Context:
         self.model_path = package / decoder.get("filename", MODEL_FILENAME)
         self.graph = onnx.load(str(self.model_path), load_external_data=False)
         self.model = ir.load(str(self.model_path))  # weights stay on disk until read
+        # Every session's graph (without weights), by section name; the decoder's first.
+        self.session_paths = {name: package / section["filename"] for name in SESSION_SECTIONS
+                              if isinstance(section := self.config["model"].get(name), dict) and section.get("filename")}
+        self.graphs = {name: self.graph if name == "decoder" else onnx.load(str(path), load_external_data=False)
+                       for name, path in self.session_paths.items()}
+
+    @property
+    def multimodal(self) -> bool:
+        return len(self.session_paths) > 1
 
 
 def check_package(package: Path, profile: EpProfile, against: Any = None) -> list[Finding]:
@@ -64,7 +80,8 @@ def check_package(package: Path, profile: EpProfile, against: Any = None) -> lis
         context = _Context(package, profile)
     except Exception as error:  # unreadable config or model: nothing else can be checked
         return [Finding("files", False, f"cannot read the package: {error}")]
-    findings = [Finding("files", True, f"{context.model_path.name} and {GENAI_CONFIG_FILENAME} load")]
+    loaded = ", ".join(str(path.relative_to(package)) for path in context.session_paths.values())
+    findings = [Finding("files", True, f"{loaded} and {GENAI_CONFIG_FILENAME} load")]
     for check in _CHECKS:
         try:
             findings.extend(check(context))
@@ -84,7 +101,7 @@ def check_package(package: Path, profile: EpProfile, against: Any = None) -> lis
 
 
 def _check_domains(context: _Context) -> Iterator[Finding]:
-    used = {node.domain for node in context.graph.graph.node}
+    used = {node.domain for graph in context.graphs.values() for node in graph.graph.node}
     unknown = sorted(used - KNOWN_DOMAINS)
     opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in context.graph.opset_import)
     yield Finding("domains", not unknown, f"unknown domains {unknown}" if unknown else f"opsets: {opsets}")
@@ -92,10 +109,12 @@ def _check_domains(context: _Context) -> Iterator[Finding]:
 
 def _check_buffer_limit(context: _Context) -> Iterator[Finding]:
     largest_name, largest = "", 0
-    for tensor in context.graph.graph.initializer:
-        size = int(np.prod(tensor.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-        if size > largest:
-            largest_name, largest = tensor.name, size
+    for session, graph in context.graphs.items():
+        for tensor in graph.graph.initializer:
+            size = int(np.prod(tensor.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+            if size > largest:
+                largest = size
+                largest_name = f"{session}: {tensor.name}" if context.multimodal else tensor.name
     limit = context.profile.max_buffer_size
     detail = f"largest initializer {largest_name} is {_size(largest)}"
     if limit is None:
@@ -166,9 +185,9 @@ def _check_genai_config(context: _Context) -> Iterator[Finding]:
     )
 
 
-def _provider_options(context: _Context) -> dict[str, str]:
-    """The package's own options for the profile's provider (graph capture included)."""
-    for entry in context.config["model"]["decoder"]["session_options"].get("provider_options", []):
+def _provider_options(context: _Context, section: str = "decoder") -> dict[str, str]:
+    """A session's own options for the profile's provider (graph capture included)."""
+    for entry in context.config["model"][section].get("session_options", {}).get("provider_options", []):
         if context.profile.genai_provider in entry:
             return dict(entry[context.profile.genai_provider])
     return {}
@@ -191,26 +210,127 @@ def _check_graph_capture(context: _Context) -> Iterator[Finding]:
 
 
 def _check_session(context: _Context) -> Iterator[Finding]:
+    """Each session loads on the EP; where its nodes run (reported per session)."""
     from exporter.ep_runtime import EpUnavailable, inference_session, placement
 
     provider = context.profile.ort_provider
-    options = _provider_options(context)
+    for name, path in context.session_paths.items():
+        check = "session" if name == "decoder" else f"session_{name}"
+        options = _provider_options(context, name)
+        try:
+            session = inference_session(path, context.profile, options)
+        except EpUnavailable as error:
+            yield Finding(check, True, f"not run: {error}", skipped=True)
+            return
+        placed = placement(session)
+        del session
+        elsewhere = {ep: ops for ep, ops in placed.items() if ep != provider}
+        on_ep = sum(placed.get(provider, {}).values())
+        if not elsewhere:
+            yield Finding(check, True, f"all {on_ep} nodes run on {provider}")
+            continue
+        where = "; ".join(f"{sum(ops.values())} on {ep} ({', '.join(sorted(ops))})" for ep, ops in elsewhere.items())
+        # A captured graph cannot have CPU nodes; without capture the CPU may take shape work.
+        captured = options.get(context.profile.graph_capture_option) == "1"
+        yield Finding(check, not captured, f"{on_ep} nodes on {provider}, {where}"
+                      + (" (graph capture needs every node on the EP)" if captured else ""))
+
+
+def _check_multimodal_config(context: _Context) -> Iterator[Finding]:
+    """A multimodal package's other sections agree with their graphs, the embedding's outputs
+    reach the decoder, only the decoder is captured, and the processor configs load."""
+    if not context.multimodal:
+        return
+    import onnxruntime_genai as og
+
+    model, problems = context.config["model"], []
+    if model.get("type") != "gemma4":
+        problems.append(f"type is '{model.get('type')}'; ONNX Runtime GenAI runs a package with an embedding "
+                        "session only as 'gemma4'")
+    for name in SESSION_SECTIONS[1:]:
+        section = model.get(name)
+        if name not in context.graphs:
+            if name != "speech" or (section or {}).get("filename"):
+                problems.append(f"no {name} session")
+            continue
+        graph = context.graphs[name].graph
+        inputs, outputs = {i.name for i in graph.input}, {o.name for o in graph.output}
+        for key, value in section.get("inputs", {}).items():
+            if value not in inputs:
+                problems.append(f"{name} input {key}='{value}' is not a graph input")
+        missing = inputs - set(section.get("inputs", {}).values())
+        if missing:
+            problems.append(f"{name} graph inputs {sorted(missing)} have no mapping")
+        for key, value in section.get("outputs", {}).items():
+            if value not in outputs:
+                problems.append(f"{name} output {key}='{value}' is not a graph output")
+        if _provider_options(context, name).get(context.profile.graph_capture_option or "-") == "1":
+            problems.append(f"{name} asks for graph capture, which ONNX Runtime GenAI gives the decoder only")
+    embedding_outputs = model.get("embedding", {}).get("outputs", {})
+    decoder_inputs = model["decoder"]["inputs"]
+    decoder_graph_inputs = {i.name for i in context.graph.graph.input}
+    for key in ("inputs_embeds", "per_layer_inputs"):
+        if key in decoder_graph_inputs and (key not in embedding_outputs or key not in decoder_inputs):
+            # Without the mapping GenAI feeds the decoder nothing there and generates garbage.
+            problems.append(f"'{key}' is a decoder input but not mapped in both embedding.outputs and decoder.inputs")
+    if not problems:
+        from exporter.ep_runtime import genai_config
+
+        processor = og.Model(genai_config(context.package, on_cpu=True)).create_multimodal_processor()
+        del processor
+    yield Finding("multimodal_config", not problems, "; ".join(problems) or
+                  f"sessions {', '.join(context.session_paths)} match their sections; processor configs load")
+
+
+def _multimodal_greedy(context: _Context, on_cpu: bool) -> list[int]:
+    """Greedy tokens for a prompt with a generated image and audio clip, through GenAI's processor."""
+    import tempfile
+
+    import onnxruntime_genai as og
+
+    from exporter.sample_media import gradient_image, tone, write_png, write_wav
+
+    from exporter.ep_runtime import genai_config
+
+    model = og.Model(genai_config(context.package, on_cpu))
+    with tempfile.TemporaryDirectory() as folder:
+        image = write_png(Path(folder) / "image.png", gradient_image())
+        has_speech = "speech" in context.session_paths
+        audio = write_wav(Path(folder) / "audio.wav", tone()) if has_speech else None
+        prompt = "<|image|>" + ("<|audio|>" if has_speech else "") + " Describe."
+        processor = model.create_multimodal_processor()
+        inputs = processor(prompt, images=og.Images.open(str(image)),
+                           audios=og.Audios.open(str(audio)) if audio else None)
+    length = inputs["input_ids"].as_numpy().shape[-1]
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=length + SMOKE_TOKENS, do_sample=False, repetition_penalty=1.0, min_length=0)
+    generator = og.Generator(model, params)
+    generator.set_inputs(inputs)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return generator.get_sequence(0)[length:].tolist()
+
+
+def _check_multimodal_generation(context: _Context) -> Iterator[Finding]:
+    if not context.multimodal:
+        return
+    from exporter.ep_runtime import EpUnavailable, register
+
+    vocab = context.config["model"]["vocab_size"]
+    on_cpu = _multimodal_greedy(context, on_cpu=True)
+    what = "image and audio" if "speech" in context.session_paths else "image"
+    in_range = bool(on_cpu) and all(0 <= t < vocab for t in on_cpu)
+    yield Finding("multimodal_generation", in_range, f"greedy tokens on CPU from a generated {what}: {on_cpu}")
+    if not context.profile.genai_provider:
+        return
     try:
-        session = inference_session(context.model_path, context.profile, options)
+        register(context.profile, genai=True)
+        on_ep = _multimodal_greedy(context, on_cpu=False)
     except EpUnavailable as error:
-        yield Finding("session", True, f"not run: {error}", skipped=True)
+        yield Finding("multimodal_ep_generation", True, f"not run: {error}", skipped=True)
         return
-    placed = placement(session)
-    elsewhere = {ep: ops for ep, ops in placed.items() if ep != provider}
-    on_ep = sum(placed.get(provider, {}).values())
-    if not elsewhere:
-        yield Finding("session", True, f"all {on_ep} nodes run on {provider}")
-        return
-    where = "; ".join(f"{sum(ops.values())} on {ep} ({', '.join(sorted(ops))})" for ep, ops in elsewhere.items())
-    # A captured graph cannot have CPU nodes; without capture the CPU may take shape work.
-    captured = options.get(context.profile.graph_capture_option) == "1"
-    yield Finding("session", not captured, f"{on_ep} nodes on {provider}, {where}"
-                  + (" (graph capture needs every node on the EP)" if captured else ""))
+    yield Finding("multimodal_ep_generation", on_ep == on_cpu,
+                  f"greedy tokens on {context.profile.ort_provider}: {on_ep}" + ("" if on_ep == on_cpu else " (CPU differs)"))
 
 
 def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray]]:
@@ -218,7 +338,9 @@ def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray
     from exporter.check_against import greedy_with_logits
 
     vocab = context.config["model"]["vocab_size"]
-    prompt = [t % vocab for t in (2, 17, 42, 5, 99)]
+    # A text prompt: a multimodal package's image and audio placeholders would want features.
+    placeholders = {context.config["model"].get(key) for key in ("image_token_id", "audio_token_id")}
+    prompt = [t % vocab for t in (2, 17, 42, 5, 99) if t % vocab not in placeholders]
     generation = greedy_with_logits(context.package, [prompt], SMOKE_TOKENS, on_cpu=on_cpu)[0]
     return generation.tokens, generation.logits
 
@@ -271,8 +393,10 @@ _CHECKS: tuple[Callable[[_Context], Iterator[Finding]], ...] = (
     _check_buffer_limit,
     _check_genai_config,
     _check_graph_capture,
+    _check_multimodal_config,
     _check_session,
     _check_smoke_generation,
+    _check_multimodal_generation,
 )
 
 

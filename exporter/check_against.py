@@ -52,10 +52,9 @@ def greedy_with_logits(package: Path, prompts: list[list[int]], new_tokens: int,
     """ONNX Runtime GenAI's greedy generation of each prompt, with the logits of every step."""
     import onnxruntime_genai as og
 
-    config = og.Config(str(package))
-    if on_cpu:
-        config.clear_providers()
-    model = og.Model(config)
+    from exporter.ep_runtime import genai_config
+
+    model = og.Model(genai_config(package, on_cpu))
     vocab = json.loads((package / "genai_config.json").read_text())["model"]["vocab_size"]
     generations = []
     for prompt in prompts:

@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "unconverted keys); by default the report and a note list them")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the checkpoint's own Python code (transformers' trust_remote_code)")
+    parser.add_argument("--text-only", action="store_true",
+                        help="a multimodal checkpoint (Gemma 4) gives its language model only, as a text package; "
+                             "by default it gives the multimodal package (decoder, embedding, vision, speech)")
+    parser.add_argument("--int4-encoders", action="store_true",
+                        help="with --precision int4, quantize the vision and speech towers too (by default they "
+                             "stay at the activation precision: int4 audio towers hurt speech quality)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on failure")
     return parser
 
@@ -87,7 +93,8 @@ class _Progress:
         self._stop = threading.Event()
 
     def __call__(self, name: str, record: StageRecord | None) -> None:
-        title = _STAGE_TITLES.get(name, name)
+        step, _, session = name.partition(":")
+        title = _STAGE_TITLES.get(step, step) + (f" ({session} session)" if session else "")
         if record is None:
             self._start(title)
         else:
@@ -171,16 +178,20 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--no-graph-capture", dest="graph_capture", action="store_false")
     parser.add_argument("--full-logits", action="store_true")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--text-only", action="store_true")
+    parser.add_argument("--int4-encoders", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
         profile = get_profile(args.ep)
         precision = choose_precision(profile, args.precision)
         # The plan needs the model's structure only: its config, never its weights.
-        loaded = load(args.model, options=LoadOptions(trust_remote_code=args.trust_remote_code, random_weights=True))
+        loaded = load(args.model, options=LoadOptions(trust_remote_code=args.trust_remote_code, random_weights=True,
+                                                      text_only=args.text_only))
         layout = prepare(loaded, POLICIES[precision].compute_dtype(profile)).layout
         settings = export_settings(profile, layout, precision, graph_capture=args.graph_capture,
-                                   full_logits=args.full_logits, int4=int4_options(profile, precision, None))
+                                   full_logits=args.full_logits, int4=int4_options(profile, precision, None),
+                                   multimodal=loaded.multimodal, int4_encoders=args.int4_encoders)
     except (ExporterError, UnknownProfileError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -220,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = get_profile(args.ep)
         precision = choose_precision(profile, args.precision)
         int4 = _int4_options(args, profile, precision)
+        if args.int4_encoders and precision != "int4":
+            raise ExporterError(f"--int4-encoders applies to --precision int4, not {precision}")
     except (ExporterError, UnknownProfileError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -239,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             strict=args.strict,
             trust_remote_code=args.trust_remote_code,
             int4=int4,
+            text_only=args.text_only,
+            int4_encoders=args.int4_encoders,
             on_stage=_Progress(),
         )
     except ExporterError as error:
@@ -256,10 +271,12 @@ def main(argv: list[str] | None = None) -> int:
               "Rerun with --debug for the traceback and please report it", file=sys.stderr)
         return 1
     report = result.report
-    nodes = sum(report.op_counts.values())
+    nodes = sum(sum(s.op_counts.values()) for s in report.sessions.values())
+    weight_bytes = sum(s.initializers["total_bytes"] for s in report.sessions.values())
+    sessions = f" in {len(report.sessions)} sessions ({', '.join(report.sessions)})" if len(report.sessions) > 1 else ""
     print(
-        f"Wrote {result.path} in {report.total_seconds:.1f} s: {nodes} ONNX nodes, "
-        f"{report.initializers['total_bytes'] / 2**20:.1f} MiB of weights, "
+        f"Wrote {result.path} in {report.total_seconds:.1f} s: {nodes} ONNX nodes{sessions}, "
+        f"{weight_bytes / 2**20:.1f} MiB of weights, "
         f"{len(result.layout.kv_layers)} KV-cache layers of {result.layout.num_layers}"
     )
     for note in report.notes:

@@ -82,3 +82,20 @@ def placement(session) -> dict[str, Counter]:
     for assignment in session.get_provider_graph_assignment_info():
         placed.setdefault(assignment.ep_name, Counter()).update(n.op_type for n in assignment.get_nodes())
     return placed
+
+
+def genai_config(package: Path, on_cpu: bool = False):
+    """ONNX Runtime GenAI's config of ``package``; ``on_cpu``: every session on the CPU (its
+    ``clear_providers`` clears the decoder's alone, so the other sessions' are overlaid empty)."""
+    import json
+
+    import onnxruntime_genai as og
+
+    config = og.Config(str(package))
+    if on_cpu:
+        config.clear_providers()
+        sections = json.loads((Path(package) / "genai_config.json").read_text())["model"]
+        others = [name for name in ("embedding", "vision", "speech") if isinstance(sections.get(name), dict)]
+        if others:
+            config.overlay(json.dumps({"model": {name: {"session_options": {"provider_options": []}} for name in others}}))
+    return config

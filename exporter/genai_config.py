@@ -17,6 +17,7 @@ GENAI_DECODER_TYPES = frozenset(
 # ONNX Runtime GenAI treats every decoder-only type alike given the I/O names below; a family it
 # does not list is written as this one, and the report says so.
 FALLBACK_DECODER_TYPE = "llama"
+MULTIMODAL_TYPE = "gemma4"
 
 
 def genai_model_type(layout: DecoderLayout) -> str:
@@ -38,10 +39,12 @@ def build_genai_config(
     generation_config: Any,
     sections: dict[str, dict[str, Any]],
     share_kv_buffer: bool = False,
+    multimodal=None,
 ) -> dict[str, Any]:
     """``sections``: each session's section by its name (``decoder``, ...), built by the session.
     ``share_kv_buffer``: one KV buffer for past and present (every present written in place by
-    GroupQueryAttention)."""
+    GroupQueryAttention). ``multimodal``: a Gemma 4 multimodal package's facts
+    (``exporter.multimodal.MultimodalFacts``): GenAI's ``gemma4`` type, with the token ids."""
     eos = _token_ids(getattr(generation_config, "eos_token_id", None))
     bos = _token_ids(getattr(generation_config, "bos_token_id", None))
     pad = _token_ids(getattr(generation_config, "pad_token_id", None))
@@ -63,6 +66,13 @@ def build_genai_config(
         "type": genai_model_type(layout),
         "vocab_size": layout.vocab_size,
     }
+    if multimodal is not None:
+        # GenAI 0.18 runs a package with an embedding session as "gemma4" (as "gemma4_text" it
+        # would take it for a text decoder and refuse it).
+        model["type"] = MULTIMODAL_TYPE
+        model["image_token_id"] = multimodal.image_token_id
+        model["audio_token_id"] = multimodal.audio_token_id
+        model["boa_token_id"] = multimodal.boa_token_id
     return {
         "model": model,
         "search": {

@@ -15,6 +15,7 @@ from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter import package, postconditions, weights
 from exporter.errors import ExporterError
+from exporter.multimodal import require_special_strings
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
     build_genai_config,
@@ -28,7 +29,7 @@ from exporter.onnx_passes.quantize_int4 import Int4Options
 from exporter.plan import ExportPlan, ExportSettings, export_settings, make_plan
 from exporter.precisions import PRECISIONS, choose_precision, int4_options
 from exporter.prepare import prepare
-from exporter.report import ExportReport, initializer_summary, op_counts
+from exporter.report import ExportReport, SessionReport
 from exporter.sessions import SESSIONS
 from exporter.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
@@ -46,7 +47,10 @@ class ExportedPackage:
     @property
     def model_path(self) -> Path:
         """The decoder's model file."""
-        return self.path / SESSIONS["decoder"].filename
+        return self.path / SESSIONS["decoder"].filename(self.plan.settings)
+
+    def session_path(self, name: str) -> Path:
+        return self.path / SESSIONS[name].filename(self.plan.settings)
 
 
 def export(
@@ -64,6 +68,9 @@ def export(
     random_weights: bool = False,
     strict: bool = False,
     int4: Int4Options | None = None,
+    text_only: bool = False,
+    int4_encoders: bool = False,
+    processor: Any = None,
     on_stage: Callable[[str, StageRecord | None], None] | None = None,
 ) -> ExportedPackage:
     """Export a decoder LM to an ONNX Runtime GenAI package in ``output_dir``.
@@ -79,7 +86,11 @@ def export(
     architecture from its config with random weights (no weights downloaded or read). ``strict``
     makes a checkpoint tensor the export would not read an error (by default the report lists
     them). ``int4`` sets block size, symmetry and accuracy level for ``precision="int4"``
-    (default: ``Int4Options`` with the profile's accuracy level).
+    (default: ``Int4Options`` with the profile's accuracy level). A Gemma 4 multimodal model gives a
+    multimodal package (decoder, embedding, vision and speech sessions) unless ``text_only``; an
+    in-memory one then needs its ``processor`` (or the processor's folder) for the image and audio
+    settings. ``int4_encoders`` quantizes the vision and speech towers too at ``precision="int4"``
+    (by default they stay at the activation precision).
     """
     profile = _profile(ep)
     precision = choose_precision(profile, precision)
@@ -89,47 +100,67 @@ def export(
     stages = StageLog(on_stage)
 
     with stages.stage("load"):
-        loaded = load(model, tokenizer, LoadOptions(allow_pickled_weights, trust_remote_code, random_weights, strict))
+        options = LoadOptions(allow_pickled_weights, trust_remote_code, random_weights, strict, text_only)
+        loaded = load(model, tokenizer, options, processor)
+        if loaded.multimodal:
+            require_special_strings(loaded.tokenizer, loaded.multimodal)
         prepared = prepare(loaded, PRECISIONS[precision].compute_dtype(profile))
     settings = export_settings(profile, prepared.layout, precision, graph_capture=graph_capture,
-                               full_logits=full_logits, int4=int4)
+                               full_logits=full_logits, int4=int4, multimodal=loaded.multimodal,
+                               int4_encoders=int4_encoders)
     plan = make_plan(settings)
     report = _new_report(loaded, settings, plan)
 
-    models = {}
+    models, attached, read = {}, 0, set()
     for session_plan in plan.sessions:
         session = SESSIONS[session_plan.name]
-        with stages.stage("trace"):
-            program, sample_inputs = _run_step("tracing with torch.export", session.trace, prepared.model,
-                                               settings.layout)
-        with stages.stage("fx_passes"):
-            program = _run_fx_passes(program, session_plan, settings, report)
-        with stages.stage("lower"):
-            onnx_model = _run_step("lowering to ONNX", lower, program, sample_inputs,
-                                   session.input_names(settings.layout), session.output_names(settings.layout))
-            del program
+        session_report = report.sessions[session.name] = SessionReport(session.filename(settings))
+        with stages.stage(_stage("trace", session, settings)):
+            traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
+        with stages.stage(_stage("fx_passes", session, settings)):
+            program = _run_fx_passes(traced.program, session_plan, settings, session_report, report)
+        with stages.stage(_stage("lower", session, settings)):
+            onnx_model = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
+                                   session.input_names(settings), session.output_names(settings))
+            del program, traced
             if loaded.weights is not None:
-                report.notes += weights.attach_and_account(onnx_model, loaded.weights, prepared.saved_shapes, strict)
-        with stages.stage("onnx_passes"):
-            _run_onnx_passes(onnx_model, session_plan, settings, report)
-            postconditions.require(onnx_model, settings)
-        _describe_graph(onnx_model, report)
+                names = weights.tensor_names(_traced_module(session, prepared), prepared.model)
+                count, session_read = weights.attach(onnx_model, loaded.weights, prepared.saved_shapes, names)
+                attached, read = attached + count, read | session_read
+        with stages.stage(_stage("onnx_passes", session, settings)):
+            _run_onnx_passes(onnx_model, session_plan, settings, session_report)
+            postconditions.require(onnx_model, settings, session)
+        session_report.describe_graph(onnx_model)
         models[session.name] = onnx_model
+    if loaded.weights is not None:
+        report.notes += weights.account(loaded.weights, attached, read, strict)
 
     with package.staging_folder(output_dir, overwrite) as staging:
         with stages.stage("package"):
             sections = {}
             for name, onnx_model in models.items():
                 session = SESSIONS[name]
-                package.save_model(onnx_model, staging, session.filename)
-                sections[name] = session.genai_section(settings.layout, profile,
-                                                       [v.name for v in onnx_model.graph.inputs], settings.graph_capture)
+                package.save_model(onnx_model, staging, session.filename(settings))
+                sections[name] = session.genai_section(settings, [v.name for v in onnx_model.graph.inputs])
+                for filename, values in session.extra_files(settings).items():
+                    package.save_json(values, staging / filename)
             genai_config = build_genai_config(settings.layout, profile, loaded.generation_config, sections,
-                                              settings.share_kv_buffer)
+                                              settings.share_kv_buffer, settings.multimodal)
             package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
             package.save_tokenizer(loaded.tokenizer, staging)
         package.save_report(report, stages, staging)
     return ExportedPackage(output_dir, report, settings.layout, plan)
+
+
+def _stage(step: str, session, settings: ExportSettings) -> str:
+    """A step's stage name: the step itself in a one-session package, ``step:session`` otherwise."""
+    return f"{step}:{session.name}" if settings.multimodal else step
+
+
+def _traced_module(session, prepared):
+    """The module a session's trace wrapper holds: the decoder traces the causal LM, the others
+    the whole model."""
+    return prepared.decoder if session.is_decoder else prepared.model
 
 
 def _profile(ep: str | EpProfile) -> EpProfile:
@@ -149,7 +180,7 @@ def _new_report(loaded, settings: ExportSettings, plan: ExportPlan) -> ExportRep
     return report
 
 
-def _run_fx_passes(program, session, settings: ExportSettings, report: ExportReport):
+def _run_fx_passes(program, session, settings: ExportSettings, session_report: SessionReport, report: ExportReport):
     context = PassContext(profile=settings.profile, layout=settings.layout, precision=settings.precision,
                           weight_bytes=settings.weight_bytes, graph_capture=settings.graph_capture)
     passes = [FX_PASSES[p.name] for p in session.fx_passes]
@@ -157,26 +188,19 @@ def _run_fx_passes(program, session, settings: ExportSettings, report: ExportRep
         program, records = run_fx_passes(program, passes, context)
     except PassDidNotApply as error:
         raise ExporterError(f"FX pass failed: {error}") from error
-    report.fx_passes = [dataclasses.asdict(r) for r in records]
+    session_report.fx_passes = [dataclasses.asdict(r) for r in records]
     # A pass may say in words what its counts mean (the truncation: where it cut, what it saves).
     report.notes += [note for p, r in zip(passes, records, strict=True)
                      if (describe := getattr(p, "note", None)) and (note := describe(r.changes))]
     return program
 
 
-def _run_onnx_passes(onnx_model, session, settings: ExportSettings, report: ExportReport) -> None:
+def _run_onnx_passes(onnx_model, session, settings: ExportSettings, report: SessionReport) -> None:
     try:
         records = run_onnx_passes(onnx_model, [ONNX_PASSES[p.name] for p in session.onnx_passes], settings)
     except FusionDidNotApply as error:
         raise ExporterError(f"ONNX fusion failed: {error}") from error
     report.onnx_passes = [dataclasses.asdict(r) for r in records]
-
-
-def _describe_graph(onnx_model, report: ExportReport) -> None:
-    report.op_counts = op_counts(onnx_model)
-    report.initializers = initializer_summary(onnx_model)
-    report.graph_inputs = [v.name for v in onnx_model.graph.inputs]
-    report.graph_outputs = [v.name for v in onnx_model.graph.outputs]
 
 
 def _run_step(what: str, function, *args):

@@ -2,7 +2,7 @@
 the model's facts: for each session, the FX passes and the ONNX passes in order, each with why it
 applies. ``python -m exporter plan MODEL --ep X`` prints it; the export report records it.
 
-A pass is planned where its ``applies(settings)`` gives a reason; passes never re-check their own
+A pass is planned on a session where its ``applies(settings, session)`` gives a reason; passes never re-check their own
 scheduling. The settings are what the plan decided about the profile (graph capture on or off,
 the attention op at this precision), so no stage rewrites the profile.
 """
@@ -16,6 +16,7 @@ import torch
 
 from ep_profiles import EpProfile
 from exporter.layout import DecoderLayout
+from exporter.multimodal import MultimodalFacts
 from exporter.onnx_passes import ONNX_PASSES
 from exporter.onnx_passes.quantize_int4 import Int4Options
 from exporter.precisions import PRECISIONS
@@ -34,6 +35,8 @@ class ExportSettings:
     attention_op: bool  # the profile's attention op (GroupQueryAttention) runs at this precision
     full_logits: bool
     int4: Int4Options | None
+    multimodal: MultimodalFacts | None = None  # None: a text package (the decoder alone)
+    int4_encoders: bool = False  # int4 quantizes the vision and speech towers too
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -76,6 +79,7 @@ class ExportPlan:
             "graph_capture": settings.graph_capture,
             "attention_op": settings.profile.attention_op if settings.attention_op else "plain",
             "full_logits": settings.full_logits,
+            "multimodal": settings.multimodal is not None,
             "sessions": [
                 {
                     "name": session.name,
@@ -100,7 +104,8 @@ class ExportPlan:
 
 
 def export_settings(profile: EpProfile, layout: DecoderLayout, precision: str, *, graph_capture: bool = True,
-                    full_logits: bool = False, int4: Int4Options | None = None) -> ExportSettings:
+                    full_logits: bool = False, int4: Int4Options | None = None,
+                    multimodal: MultimodalFacts | None = None, int4_encoders: bool = False) -> ExportSettings:
     return ExportSettings(
         profile=profile,
         layout=layout,
@@ -109,14 +114,16 @@ def export_settings(profile: EpProfile, layout: DecoderLayout, precision: str, *
         attention_op=profile.runs_attention_op_at(precision),
         full_logits=full_logits,
         int4=int4,
+        multimodal=multimodal,
+        int4_encoders=int4_encoders,
     )
 
 
 def make_plan(settings: ExportSettings) -> ExportPlan:
-    def planned(registry) -> tuple[PlannedPass, ...]:
-        return tuple(PlannedPass(p.name, why) for p in registry.values() if (why := p.applies(settings)))
+    def planned(registry, session) -> tuple[PlannedPass, ...]:
+        return tuple(PlannedPass(p.name, why) for p in registry.values() if (why := p.applies(settings, session)))
 
     return ExportPlan(settings, tuple(
-        SessionPlan(name, planned(FX_PASSES), planned(ONNX_PASSES))
+        SessionPlan(name, planned(FX_PASSES, session), planned(ONNX_PASSES, session))
         for name, session in SESSIONS.items() if session.applies(settings)
     ))

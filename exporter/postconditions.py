@@ -81,16 +81,18 @@ def presents_not_in_place(model: ir.Model) -> list[str]:
                   if v.name.startswith("present.") and ((node := v.producer()) is None or node.op_type != "GroupQueryAttention"))
 
 
-def require(model: ir.Model, settings) -> None:
-    """The export's check of a finished decoder against its plan (``exporter.plan.ExportSettings``):
+def require(model: ir.Model, settings, session) -> None:
+    """The export's check of a finished session against its plan (``exporter.plan.ExportSettings``):
     a one-line ``ExporterError`` before anything is written where GenAI would refuse the package."""
     from exporter.errors import ExporterError
 
     name = settings.profile.name
+    if not session.is_decoder:
+        return
     if settings.share_kv_buffer and not presents_written_in_place(model):
         raise ExporterError(f"EP '{name}' shares the KV buffer, but some present KV is not written by "
                             "GroupQueryAttention; please report the model")
-    if not settings.graph_capture:
+    if not session.captured(settings):
         return
     if not settings.share_kv_buffer:
         # ONNX Runtime GenAI captures only decoders whose past and present share one buffer.

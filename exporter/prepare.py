@@ -19,7 +19,8 @@ from exporter.sources import LoadedModel
 
 @dataclass
 class PreparedModel:
-    model: transformers.PreTrainedModel
+    model: transformers.PreTrainedModel  # the whole model: a multimodal one's towers too
+    decoder: transformers.PreTrainedModel  # its causal LM (``model`` itself, or a view of its parts)
     layout: DecoderLayout
     # Every saved tensor's shape, for matching initializers to tensors; None where the weights are
     # in the model.
@@ -37,8 +38,9 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         cast_like_from_pretrained(model, dtype)
         loaded.notes.append(f"weights converted to {str(dtype).removeprefix('torch.')} for tracing "
                             "(a copy; the model is unchanged)")
+    decoder = causal_lm_view(model) if loaded.multimodal else model
     try:
-        layout = derive_layout(model)
+        layout = derive_layout(decoder)
     except Exception as error:
         raise ExporterError(
             f"{type(model).__name__} could not run with a KV cache ({_first_line(error)}); "
@@ -48,7 +50,23 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
     if loaded.weights is not None:
         saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
         weights.fake_weights(model, buffers=loaded.weights.provides_buffers)
-    return PreparedModel(model, layout, saved_shapes)
+    return PreparedModel(model, decoder, layout, saved_shapes)
+
+
+def causal_lm_view(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """transformers' causal LM class for a multimodal model's language model, holding that model's
+    own language model and LM head (shared, not copied): the decoder session traces it as it
+    traces any text model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    text_config = model.config.get_text_config(decoder=True)
+    causal_lm_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text_config.model_type])
+    with torch.device("meta"):
+        view = causal_lm_class(text_config)
+    view.model = model.model.language_model
+    view.lm_head = model.lm_head
+    view.generation_config = model.generation_config
+    return view.eval()
 
 
 def _first_line(error: BaseException) -> str:

@@ -10,7 +10,8 @@ stable reference; tempered, fp32 vs fp64 agree to ~1e-6 (measured on tiny-gemma-
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import transformers
@@ -18,6 +19,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+# A multimodal preset's tokenizer adds Gemma 4's image and audio markers (ids 4-10, in this order):
+# ONNX Runtime GenAI's processor finds images and audio by these strings.
+MULTIMODAL_TOKENS = ("<|image>", "<|image|>", "<image|>", "<|audio>", "<|audio|>", "<audio|>", "<|video|>")
 
 # Public-domain text (Lewis Carroll, "Alice's Adventures in Wonderland", 1865) to train the tokenizer.
 _CORPUS = """\
@@ -51,6 +55,9 @@ class Preset:
     make_config: Callable[[], transformers.PretrainedConfig]
     seed: int = 0
     temper_qk_norm: bool = False
+    # A multimodal preset's image processor and feature extractor settings (processor_config.json's
+    # sections); it then also moves every constant saved tensor, as a trained checkpoint's are.
+    processor_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _tiny_gemma4_config():
@@ -99,6 +106,37 @@ def _gemma4_e2b_shape_config():
     )
 
 
+def _tiny_gemma4_multimodal_config():
+    ids = {token: 4 + i for i, token in enumerate(MULTIMODAL_TOKENS)}
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=16, patch_size=16, pooling_kernel_size=3, position_embedding_size=128, use_clipped_linears=True,
+    )
+    # subsampling_conv_channels[0] must be 128 (transformers sizes the projection from it as if it
+    # were the mel bins' count); the second is free.
+    audio = transformers.Gemma4AudioConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 4],
+        output_proj_dims=48, use_clipped_linears=True,
+    )
+    return transformers.Gemma4Config(
+        text_config=_tiny_gemma4_config().to_dict(), vision_config=vision.to_dict(), audio_config=audio.to_dict(),
+        boi_token_id=ids["<|image>"], image_token_id=ids["<|image|>"], eoi_token_id=ids["<image|>"],
+        boa_token_id=ids["<|audio>"], audio_token_id=ids["<|audio|>"], eoa_token_index=ids["<audio|>"],
+        video_token_id=ids["<|video|>"], tie_word_embeddings=True, architectures=["Gemma4ForConditionalGeneration"],
+        **_special_ids(),
+    )
+
+
+# transformers' Gemma 4 processor settings, small: at most 70 soft tokens (630 patches) per image.
+_TINY_MULTIMODAL_PROCESSOR = {
+    "image_processor": {"patch_size": 16, "max_soft_tokens": 70, "pooling_kernel_size": 3},
+    "feature_extractor": {"feature_size": 128, "sampling_rate": 16000, "frame_length_ms": 20.0,
+                          "hop_length_ms": 10.0, "min_frequency": 0.0, "max_frequency": 8000.0,
+                          "preemphasis": 0.0, "preemphasis_htk_flavor": True, "fft_overdrive": False,
+                          "mel_floor": 0.001},
+}
+
+
 def _special_ids() -> dict:
     return {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": BOS_ID}
 
@@ -133,6 +171,14 @@ PRESETS: dict[str, Preset] = {
             "Gemma 4 E2B's exact 35-layer structure at reduced width (hidden 512, vocab 32768); for benchmarks",
             _gemma4_e2b_shape_config,
             temper_qk_norm=True,
+        ),
+        Preset(
+            "tiny-gemma-4-multimodal",
+            "Gemma 4 E2B's multimodal structure in miniature: tiny-gemma-4's decoder, a 2-layer vision tower "
+            "and a 2-layer audio tower",
+            _tiny_gemma4_multimodal_config,
+            temper_qk_norm=True,
+            processor_settings=_TINY_MULTIMODAL_PROCESSOR,
         ),
         Preset("tiny-llama", "4-layer Llama with grouped KV heads", _small(transformers.LlamaConfig)),
         Preset(
@@ -172,14 +218,15 @@ PRESETS: dict[str, Preset] = {
 DEFAULT_PRESET = "tiny-gemma-4"
 
 
-def train_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on the built-in text, with Gemma's special-token ids."""
+def train_tokenizer(vocab_size: int, extra_special_tokens: tuple[str, ...] = ()) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on the built-in text, with Gemma's special-token ids
+    (then ``extra_special_tokens``, from id 4)."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -190,7 +237,14 @@ def train_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
         eos_token="<eos>",
         bos_token="<bos>",
         unk_token="<unk>",
+        extra_special_tokens=list(extra_special_tokens) or None,
     )
+
+
+def preset_tokenizer(name: str) -> transformers.PreTrainedTokenizerFast:
+    preset = PRESETS[name]
+    extra = MULTIMODAL_TOKENS if preset.processor_settings else ()
+    return train_tokenizer(min(preset.make_config().get_text_config(decoder=True).vocab_size, 512), extra)
 
 
 def build_preset(name: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerFast]:
@@ -198,15 +252,73 @@ def build_preset(name: str) -> tuple[transformers.PreTrainedModel, transformers.
     config = preset.make_config()
     with torch.random.fork_rng():
         torch.manual_seed(preset.seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        if preset.processor_settings:
+            model = transformers.Gemma4ForConditionalGeneration(config)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config)
     model.eval()
     if preset.temper_qk_norm:
         with torch.no_grad():
             for module_name, module in model.named_modules():
                 if module_name.endswith(("q_norm", "k_norm")) and getattr(module, "weight", None) is not None:
                     module.weight.mul_(0.25)
+    if preset.processor_settings:
+        _clip_like_a_checkpoint(model)
+        move_constant_tensors(model, preset.seed)
     model.generation_config.bos_token_id = BOS_ID
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = PAD_ID
-    tokenizer = train_tokenizer(min(config.vocab_size, 512))
-    return model, tokenizer
+    return model, preset_tokenizer(name)
+
+
+# A constant c becomes c * U(0.75, 1.25) per element; a zero one gets N(0, ZERO_NOISE) noise.
+SCALE_RANGE = (0.75, 1.25)
+ZERO_NOISE = 0.02
+
+
+def constant_saved_tensors(model: torch.nn.Module) -> list[str]:
+    """Names of floating tensors in ``state_dict()`` (parameters and persistent buffers) whose
+    elements are all equal: what a dropped or re-initialised tensor would be indistinguishable from."""
+    return [
+        name
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point()
+        and tensor.numel() > 0
+        and bool(torch.isfinite(tensor.flatten()[0]))  # +-inf clip bounds (no clipping) stay as they are
+        and bool((tensor == tensor.flatten()[0]).all())
+    ]
+
+
+@torch.no_grad()
+def move_constant_tensors(model: torch.nn.Module, seed: int = 0) -> list[str]:
+    """Move every constant saved tensor away from its constant, in place, as training would (a
+    dropped or re-initialised tensor then shows); returns their names. Tied tensors (one storage
+    under several names) are moved once."""
+    generator = torch.Generator().manual_seed(seed)
+    state, moved, seen = model.state_dict(keep_vars=True), [], set()
+    for name in constant_saved_tensors(model):
+        tensor = state[name]
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        value = float(tensor.flatten()[0])
+        before = tensor.clone()
+        if value == 0.0:
+            tensor.add_((torch.randn(tensor.shape, generator=generator) * ZERO_NOISE).to(tensor.dtype))
+        else:
+            low, high = SCALE_RANGE
+            tensor.mul_((low + (high - low) * torch.rand(tensor.shape, generator=generator)).to(tensor.dtype))
+        if bool((tensor == before).any()):
+            raise RuntimeError(f"{name}: an element kept its init value")
+        moved.append(name)
+    return moved
+
+
+@torch.no_grad()
+def _clip_like_a_checkpoint(model: torch.nn.Module) -> None:
+    """Give Gemma 4's clipped linears finite bounds (init leaves them at +-inf, no clipping; a
+    trained checkpoint's clip), so a dropped bound changes the output."""
+    for name, buffer in model.named_buffers():
+        if name.endswith(("input_min", "input_max", "output_min", "output_max")):
+            bound = 2.0 if "input" in name else 0.5
+            buffer.fill_(-bound if name.endswith("min") else bound)

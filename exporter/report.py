@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,29 @@ def initializer_summary(model: ir.Model, largest: int = 5) -> dict[str, Any]:
 
 
 @dataclass
+class SessionReport:
+    """One ONNX session of the package: the passes that ran on it and what its graph holds."""
+
+    filename: str
+    fx_passes: list[dict[str, Any]] = field(default_factory=list)
+    onnx_passes: list[dict[str, Any]] = field(default_factory=list)
+    op_counts: dict[str, int] = field(default_factory=dict)
+    initializers: dict[str, Any] = field(default_factory=dict)
+    graph_inputs: list[str] = field(default_factory=list)
+    graph_outputs: list[str] = field(default_factory=list)
+
+    def describe_graph(self, model: ir.Model) -> None:
+        self.op_counts = op_counts(model)
+        self.initializers = initializer_summary(model)
+        self.graph_inputs = [v.name for v in model.graph.inputs]
+        self.graph_outputs = [v.name for v in model.graph.outputs]
+
+    def onnx_pass_changes(self, name: str) -> dict[str, int]:
+        """The counts an ONNX pass reported ({} where it did not run)."""
+        return next((p["changes"] for p in self.onnx_passes if p["name"] == name), {})
+
+
+@dataclass
 class ExportReport:
     source: str
     ep: str
@@ -42,18 +66,37 @@ class ExportReport:
     layout: dict[str, Any]
     stages: list[dict[str, Any]] = field(default_factory=list)
     plan: dict[str, Any] = field(default_factory=dict)
-    fx_passes: list[dict[str, Any]] = field(default_factory=list)
-    onnx_passes: list[dict[str, Any]] = field(default_factory=list)
-    op_counts: dict[str, int] = field(default_factory=dict)
-    initializers: dict[str, Any] = field(default_factory=dict)
-    graph_inputs: list[str] = field(default_factory=list)
-    graph_outputs: list[str] = field(default_factory=list)
+    sessions: dict[str, SessionReport] = field(default_factory=dict)  # in package order
     files: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
     def total_seconds(self) -> float:
         return sum(stage["seconds"] for stage in self.stages)
+
+    # The decoder session's, which every package has: what most callers read.
+    @property
+    def decoder(self) -> SessionReport:
+        return self.sessions["decoder"]
+
+    @property
+    def fx_passes(self) -> list[dict[str, Any]]:
+        return self.decoder.fx_passes
+
+    @property
+    def onnx_passes(self) -> list[dict[str, Any]]:
+        return self.decoder.onnx_passes
+
+    @property
+    def op_counts(self) -> dict[str, int]:
+        return self.decoder.op_counts
+
+    @property
+    def initializers(self) -> dict[str, Any]:
+        return self.decoder.initializers
+
+    def onnx_pass_changes(self, name: str) -> dict[str, int]:
+        return self.decoder.onnx_pass_changes(name)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,12 +107,7 @@ class ExportReport:
             "layout": self.layout,
             "stages": self.stages,
             "plan": self.plan,
-            "fx_passes": self.fx_passes,
-            "onnx_passes": self.onnx_passes,
-            "op_counts": self.op_counts,
-            "initializers": self.initializers,
-            "graph_inputs": self.graph_inputs,
-            "graph_outputs": self.graph_outputs,
+            "sessions": {name: dataclasses.asdict(session) for name, session in self.sessions.items()},
             "files": self.files,
             "notes": self.notes,
         }
@@ -90,35 +128,39 @@ class ExportReport:
         lines += [
             f"| {s['name']} | {s['seconds']:.2f} | {s['peak_rss_bytes'] / mib:.0f} |" for s in self.stages
         ]
-        lines += ["", "## FX passes", "", "| pass | changes | seconds |", "|---|---|---:|"]
-        lines += [
-            f"| {p['name']} | {', '.join(f'{k}={v}' for k, v in p['changes'].items()) or '-'} | {p['seconds']:.3f} |"
-            for p in self.fx_passes
-        ]
-        lines += ["", "## ONNX passes", "", "| pass | changes | nodes before | nodes after | seconds |",
-                  "|---|---|---:|---:|---:|"]
-        lines += [
-            f"| {p['name']} | {', '.join(f'{k}={v}' for k, v in p['changes'].items()) or '-'} | {p['nodes_before']} "
-            f"| {p['nodes_after']} | {p['seconds']:.3f} |"
-            for p in self.onnx_passes
-        ]
-        lines += ["", "## Operators", "", "| op | count |", "|---|---:|"]
-        lines += [f"| {op} | {count} |" for op, count in self.op_counts.items()]
-        init = self.initializers
-        lines += [
-            "",
-            "## Initializers",
-            "",
-            f"{init.get('count', 0)} tensors, {init.get('total_bytes', 0) / mib:.1f} MiB in all. Largest:",
-            "",
-            "| name | shape | dtype | MiB |",
-            "|---|---|---|---:|",
-        ]
-        lines += [
-            f"| {t['name']} | {t['shape']} | {t['dtype']} | {t['bytes'] / mib:.1f} |" for t in init.get("largest", [])
-        ]
+        for name, session in self.sessions.items():
+            lines += _session_markdown(name, session)
         return "\n".join(lines) + "\n"
 
-    def onnx_pass_changes(self, name: str) -> dict[str, int]:
-        """The counts an ONNX pass reported ({} where it did not run)."""
-        return next((p["changes"] for p in self.onnx_passes if p["name"] == name), {})
+
+def _session_markdown(name: str, session: SessionReport) -> list[str]:
+    mib = 1024 * 1024
+    lines = ["", f"## Session {name} ({session.filename})", "", "### FX passes", "",
+             "| pass | changes | seconds |", "|---|---|---:|"]
+    lines += [
+        f"| {p['name']} | {', '.join(f'{k}={v}' for k, v in p['changes'].items()) or '-'} | {p['seconds']:.3f} |"
+        for p in session.fx_passes
+    ]
+    lines += ["", "### ONNX passes", "", "| pass | changes | nodes before | nodes after | seconds |",
+              "|---|---|---:|---:|---:|"]
+    lines += [
+        f"| {p['name']} | {', '.join(f'{k}={v}' for k, v in p['changes'].items()) or '-'} | {p['nodes_before']} "
+        f"| {p['nodes_after']} | {p['seconds']:.3f} |"
+        for p in session.onnx_passes
+    ]
+    lines += ["", "### Operators", "", "| op | count |", "|---|---:|"]
+    lines += [f"| {op} | {count} |" for op, count in session.op_counts.items()]
+    init = session.initializers
+    lines += [
+        "",
+        "### Initializers",
+        "",
+        f"{init.get('count', 0)} tensors, {init.get('total_bytes', 0) / mib:.1f} MiB in all. Largest:",
+        "",
+        "| name | shape | dtype | MiB |",
+        "|---|---|---|---:|",
+    ]
+    lines += [
+        f"| {t['name']} | {t['shape']} | {t['dtype']} | {t['bytes'] / mib:.1f} |" for t in init.get("largest", [])
+    ]
+    return lines

@@ -22,6 +22,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from exporter.errors import ExporterError
+from exporter.multimodal import MultimodalFacts, is_multimodal, multimodal_facts, read_processor_settings
 from exporter.presets import PRESETS, build_preset, train_tokenizer
 from exporter.weights import (
     RandomWeights,
@@ -50,6 +51,8 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)
     # Where the weights come from when the model's parameters are empty (meta); None: in the model.
     weights: WeightSource | None = None
+    # Set where the package is multimodal: ``model`` is then the whole multimodal model.
+    multimodal: MultimodalFacts | None = None
 
     @property
     def generation_config(self):
@@ -63,28 +66,38 @@ class LoadOptions:
     random_weights: bool = False
     # A checkpoint tensor the export would not read is an error, not a note.
     strict: bool = False
+    # A multimodal checkpoint gives its language model only (ONNX Runtime GenAI's text package).
+    text_only: bool = False
 
 
-def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions()) -> LoadedModel:
+def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions(), processor: Any = None) -> LoadedModel:
+    """``processor``: an in-memory multimodal model's processor (or its folder), for the image and
+    audio settings of its package."""
     if isinstance(source, transformers.PreTrainedModel):
-        return _from_memory(source, tokenizer)
+        return _from_memory(source, tokenizer, options, processor)
     if not isinstance(source, (str, Path)):
         raise ExporterError(
             f"cannot export a {type(source).__name__}; pass a preset name, a folder, a hub id or a PreTrainedModel"
         )
     name = str(source)
     if name in PRESETS:
+        preset = PRESETS[name]
         if options.random_weights:
-            return _random(PRESETS[name].make_config(), tokenizer, f"preset {name}", options)
+            loaded = _random(preset.make_config(), tokenizer, f"preset {name}", options, preset.processor_settings)
+            if tokenizer is None and loaded.multimodal is not None:
+                loaded.tokenizer = build_preset(name, tokenizer_only=True)
+            return loaded
         model, preset_tokenizer = build_preset(name)
-        return LoadedModel(model, tokenizer or preset_tokenizer, f"preset {name} (random weights)")
+        loaded = LoadedModel(model, tokenizer or preset_tokenizer, f"preset {name} (random weights)")
+        return _multimodal_or_text(loaded, model.config, options, preset.processor_settings)
     path = Path(name).expanduser()
     if path.exists():
         return _from_folder(path, tokenizer, options, f"folder {path}")
     if _looks_like_path(name):
         raise ExporterError(f"path '{name}' does not exist; check the path or run `python -m exporter list`")
     if options.random_weights and (shipped := SHIPPED_CONFIGS / f"{name}.json").is_file():
-        return _random(_shipped_config(shipped), tokenizer, f"{name} (shipped config)", options)
+        config, processor_settings = _shipped_config(shipped)
+        return _random(config, tokenizer, f"{name} (shipped config)", options, processor_settings)
     if name in ALIASES or "/" in name:
         repo_id = ALIASES.get(name, name)
         folder = _download(repo_id, weights=not options.random_weights)
@@ -99,11 +112,42 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
 
 
-def _from_memory(model: transformers.PreTrainedModel, tokenizer: Any) -> LoadedModel:
+def _from_memory(model: transformers.PreTrainedModel, tokenizer: Any, options: LoadOptions, processor: Any) -> LoadedModel:
     if tokenizer is None:
         raise ExporterError("export(model, tokenizer, ...) needs the model's tokenizer for the package")
     _require_causal_lm(type(model).__name__, model.config)
-    return LoadedModel(model, tokenizer, f"in-memory {type(model).__name__}")
+    loaded = LoadedModel(model, tokenizer, f"in-memory {type(model).__name__}")
+    if not is_multimodal(model.config) or options.text_only:
+        return _multimodal_or_text(loaded, model.config, options, {})
+    if processor is None:
+        raise ExporterError(
+            f"{type(model).__name__} is multimodal: pass its processor (export(..., processor=...)) for the "
+            "image and audio settings, or text_only=True for a text-only package"
+        )
+    return _multimodal_or_text(loaded, model.config, options, _processor_settings(processor))
+
+
+def _processor_settings(processor: Any) -> dict[str, dict[str, Any]]:
+    if isinstance(processor, (str, Path)):
+        return read_processor_settings(Path(processor))
+    sections = {}
+    for section in ("image_processor", "feature_extractor"):
+        if (part := getattr(processor, section, None)) is not None:
+            sections[section] = part.to_dict()
+    if hasattr(processor, "image_seq_length"):
+        sections.setdefault("image_processor", {}).setdefault("image_seq_length", processor.image_seq_length)
+    return sections
+
+
+def _multimodal_or_text(loaded: LoadedModel, config, options: LoadOptions, processor_settings) -> LoadedModel:
+    """Set the multimodal facts where the package is multimodal; for a model that stays text-only
+    although it is multimodal, say so."""
+    if is_multimodal(config) and not options.text_only:
+        loaded.multimodal = multimodal_facts(config, processor_settings, loaded.source)
+    elif config.get_text_config(decoder=True) is not config:
+        why = "as asked (--text-only)" if options.text_only else "(multimodal packages: Gemma 4 only)"
+        loaded.notes.append(f"{config.model_type} is multimodal: exported its language model as a text-only package {why}")
+    return loaded
 
 
 def _download(repo_id: str, weights: bool = True) -> Path:
@@ -138,14 +182,15 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
     architectures = list(getattr(config, "architectures", None) or [])
     _require_causal_lm(architectures[0] if architectures else None, config)
 
+    processor_settings = read_processor_settings(path) if is_multimodal(config) and not options.text_only else {}
     if options.random_weights:
-        loaded = _random(config, tokenizer or _folder_tokenizer(path, options), source, options)
+        loaded = _random(config, tokenizer or _folder_tokenizer(path, options), source, options, processor_settings)
         loaded.model.generation_config = _generation_config(path, config)
         return loaded
     has_safetensors = any(path.glob("*.safetensors"))
     has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
     if has_safetensors:
-        return _streamed(path, config, tokenizer, options, source)
+        return _streamed(path, config, tokenizer, options, source, processor_settings)
     if not has_pickle:
         raise ExporterError(f"'{path}' has no weights (*.safetensors); pass a folder with the model's weights")
     if not options.allow_pickled_weights:
@@ -155,7 +200,9 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
         )
 
     # Pickled weights cannot be read one tensor at a time: the model is loaded whole.
-    notes = []
+    if is_multimodal(config) and not options.text_only:
+        raise ExporterError(f"'{path}' has only pickled .bin weights: a multimodal package needs safetensors "
+                            "(or export with --text-only)")
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path,
@@ -165,11 +212,8 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
         )
     except Exception as error:
         raise ExporterError(f"cannot load the model from '{path}': {str(error).splitlines()[0]}") from None
-    if config.get_text_config(decoder=True) is not config:
-        notes.append(
-            f"{type(model).__name__} is multimodal: exported its language model as a text-only package"
-        )
-    return LoadedModel(model.eval(), tokenizer or _folder_tokenizer(path, options), source, notes)
+    loaded = LoadedModel(model.eval(), tokenizer or _folder_tokenizer(path, options), source)
+    return _multimodal_or_text(loaded, config, options, {})
 
 
 def _folder_tokenizer(path: Path, options: LoadOptions):
@@ -181,12 +225,13 @@ def _folder_tokenizer(path: Path, options: LoadOptions):
         ) from None
 
 
-def _empty_model(config, options: LoadOptions) -> tuple[transformers.PreTrainedModel, list[str]]:
-    """The decoder of ``config`` with parameters on meta (a multimodal config gives its text model)."""
-    notes = []
+def _empty_model(config, options: LoadOptions) -> transformers.PreTrainedModel:
+    """The model of ``config`` with parameters on meta: the whole model for a multimodal package,
+    else the decoder (a multimodal config's language model)."""
+    if is_multimodal(config) and not options.text_only:
+        return _whole_model(config, options)
     text = config.get_text_config(decoder=True)
     if text is not config:
-        notes.append(f"{config.model_type} is multimodal: exported its language model as a text-only package")
         # transformers ties a multimodal model's LM head by the top-level flag, whatever the text
         # config says; the text model alone must tie (or not) the same way.
         text = copy.deepcopy(text)
@@ -196,21 +241,39 @@ def _empty_model(config, options: LoadOptions) -> tuple[transformers.PreTrainedM
             model = transformers.AutoModelForCausalLM.from_config(text, trust_remote_code=options.trust_remote_code)
     except Exception as error:
         raise ExporterError(f"cannot build a {text.model_type} model from its config: {_first_line(error)}") from None
-    return model.eval(), notes
+    return model.eval()
 
 
-def _random(config, tokenizer: Any, source: str, options: LoadOptions) -> LoadedModel:
-    model, notes = _empty_model(config, options)
+def _whole_model(config, options: LoadOptions) -> transformers.PreTrainedModel:
+    architectures = list(getattr(config, "architectures", None) or [])
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    try:
+        with parameters_on_meta():
+            if model_class is not None:
+                model = model_class(config)
+            else:
+                model = transformers.AutoModelForImageTextToText.from_config(config)
+    except Exception as error:
+        raise ExporterError(f"cannot build a {config.model_type} model from its config: {_first_line(error)}") from None
+    return model.eval()
+
+
+def _random(config, tokenizer: Any, source: str, options: LoadOptions, processor_settings=None) -> LoadedModel:
+    model = _empty_model(config, options)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     weights = RandomWeights(shapes, std=getattr(config.get_text_config(decoder=True), "initializer_range", 0.02))
+    notes = []
     if tokenizer is None:
         tokenizer = train_tokenizer(512)
         notes.append("tokenizer: the built-in 512-token BPE (the real tokenizer is not shipped)")
-    return LoadedModel(model, tokenizer, f"{source} ({weights.description})", notes, weights)
+    loaded = LoadedModel(model, tokenizer, f"{source} ({weights.description})", notes, weights)
+    return _multimodal_or_text(loaded, config, options, processor_settings or {})
 
 
-def _streamed(path: Path, config, tokenizer: Any, options: LoadOptions, source: str) -> LoadedModel:
-    model, notes = _empty_model(config, options)
+def _streamed(path: Path, config, tokenizer: Any, options: LoadOptions, source: str,
+              processor_settings) -> LoadedModel:
+    model = _empty_model(config, options)
+    notes = []
     model.generation_config = _generation_config(path, config)
     aliases = tied_aliases(model)
     if getattr(config, "tie_word_embeddings", False):
@@ -223,12 +286,13 @@ def _streamed(path: Path, config, tokenizer: Any, options: LoadOptions, source: 
     # Every saved tensor, parameters and persistent buffers alike, is in the checkpoint with its
     # shape, or a clear error now.
     weights.match(model.state_dict(keep_vars=True))
-    if config.get_text_config(decoder=True) is not config:
+    if config.get_text_config(decoder=True) is not config and (options.text_only or not is_multimodal(config)):
         weights.left_out = frozenset(_full_model_keys(config, options)) & set(weights.unmatched_keys())
         weights.left_out_why = "the multimodal model's other parts, which a text-only package does not use"
     if options.strict and (unmatched := weights.unmatched_keys()):
         raise ExporterError(f"--strict: {UnreadTensors(unmatched=tuple(unmatched)).notes()[0]} (in {path})")
-    return LoadedModel(model, tokenizer or _folder_tokenizer(path, options), source, notes, weights)
+    loaded = LoadedModel(model, tokenizer or _folder_tokenizer(path, options), source, notes, weights)
+    return _multimodal_or_text(loaded, config, options, processor_settings)
 
 
 def _full_model_keys(config, options: LoadOptions) -> list[str]:
@@ -261,8 +325,10 @@ def _generation_config(path: Path, config):
 
 
 def _shipped_config(path: Path):
+    """A shipped config and its processor settings (a ``processor`` entry, for a multimodal one)."""
     values = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
-    return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    processor_settings = values.pop("processor", {})
+    return transformers.AutoConfig.for_model(values.pop("model_type"), **values), processor_settings
 
 
 def _first_line(error: BaseException) -> str:

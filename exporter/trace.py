@@ -23,8 +23,10 @@ from exporter.layout import DecoderLayout, eval_mode
 SAMPLE_BATCH, SAMPLE_SEQ, SAMPLE_PAST = 2, 3, 5
 
 
-def input_names(layout: DecoderLayout) -> list[str]:
-    names = ["input_ids", "attention_mask", "position_ids"]
+def input_names(layout: DecoderLayout, embeds: bool = False) -> list[str]:
+    """``embeds``: a multimodal package's decoder, which reads the embedding session's outputs."""
+    names = ["inputs_embeds", "per_layer_inputs"] if embeds else ["input_ids"]
+    names += ["attention_mask", "position_ids"]
     for index in layout.kv_layer_indices:
         names += [f"past_key_values.{index}.key", f"past_key_values.{index}.value"]
     return names
@@ -58,6 +60,9 @@ class GenAIDecoder(torch.nn.Module):
         self.logits_to_keep = logits_to_keep  # transformers' own truncation; tests use it as an oracle
 
     def forward(self, input_ids, attention_mask, position_ids, past_key_values):
+        return self._decode(attention_mask, position_ids, past_key_values, input_ids=input_ids)
+
+    def _decode(self, attention_mask, position_ids, past_key_values, **model_inputs):
         cache = DynamicCache()
         for slot, layer_index in enumerate(self.kv_layer_indices):
             while len(cache.layers) <= layer_index:
@@ -69,7 +74,7 @@ class GenAIDecoder(torch.nn.Module):
             layer.is_initialized = True
         with _windows_over_token_positions(attention_mask):
             outputs = self.model(
-                input_ids=input_ids,
+                **model_inputs,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 cache=cache,
@@ -80,6 +85,19 @@ class GenAIDecoder(torch.nn.Module):
         for layer_index in self.kv_layer_indices:
             presents += [cache.layers[layer_index].keys, cache.layers[layer_index].values]
         return (outputs.logits, *presents)
+
+
+class GenAIEmbedsDecoder(GenAIDecoder):
+    """The decoder of a Gemma 4 multimodal package: it reads the embedding session's outputs,
+    ``inputs_embeds`` and the per-layer token embeddings flattened to ``[batch, seq, layers * width]``
+    (ONNX Runtime GenAI sizes that buffer from its last, static, dimension)."""
+
+    def forward(self, inputs_embeds, per_layer_inputs, attention_mask, position_ids, past_key_values):
+        config = self.model.config
+        per_layer_inputs = per_layer_inputs.reshape(
+            *per_layer_inputs.shape[:2], config.num_hidden_layers, config.hidden_size_per_layer_input)
+        return self._decode(attention_mask, position_ids, past_key_values,
+                            inputs_embeds=inputs_embeds, per_layer_inputs=per_layer_inputs)
 
 
 @contextlib.contextmanager
@@ -147,11 +165,25 @@ def make_inputs(
     return input_ids, attention_mask, position_ids, tuple(past_kv)
 
 
-def trace(model: PreTrainedModel, layout: DecoderLayout) -> tuple[ExportedProgram, tuple]:
-    """Returns the program and the sample inputs it was traced with (lowering needs them)."""
+def embeds_inputs(model: PreTrainedModel, sample: tuple, generator: torch.Generator) -> tuple:
+    """A multimodal decoder's inputs from ``make_inputs``'s: ``input_ids`` become random
+    ``inputs_embeds`` and flattened per-layer inputs of the same batch and length."""
+    input_ids, *rest = sample
+    config = model.config
     dtype = next(model.parameters()).dtype
-    sample = make_inputs(layout, SAMPLE_BATCH, SAMPLE_SEQ, SAMPLE_PAST, dtype=dtype,
-                         generator=torch.Generator().manual_seed(0))
+    batch, seq = input_ids.shape
+    inputs_embeds = torch.randn((batch, seq, config.hidden_size), generator=generator).to(dtype)
+    width = config.num_hidden_layers * config.hidden_size_per_layer_input
+    per_layer_inputs = torch.randn((batch, seq, width), generator=generator).to(dtype)
+    return (inputs_embeds, per_layer_inputs, *rest)
+
+
+def trace(model: PreTrainedModel, layout: DecoderLayout, embeds: bool = False) -> tuple[ExportedProgram, tuple]:
+    """Returns the program and the sample inputs it was traced with (lowering needs them).
+    ``embeds``: trace a multimodal package's decoder (``GenAIEmbedsDecoder``)."""
+    dtype = next(model.parameters()).dtype
+    generator = torch.Generator().manual_seed(0)
+    sample = make_inputs(layout, SAMPLE_BATCH, SAMPLE_SEQ, SAMPLE_PAST, dtype=dtype, generator=generator)
     dynamic = Dim.DYNAMIC
     dynamic_shapes = (
         {0: dynamic, 1: dynamic},
@@ -160,13 +192,17 @@ def trace(model: PreTrainedModel, layout: DecoderLayout) -> tuple[ExportedProgra
         tuple({0: dynamic, 2: dynamic} for _ in sample[3]),
     )
     wrapper = GenAIDecoder(model, layout)
-    with torch.no_grad(), eval_mode(model), _ordered_string_sets(model):
+    if embeds:
+        sample = embeds_inputs(model, sample, generator)
+        dynamic_shapes = ({0: dynamic, 1: dynamic}, *dynamic_shapes)
+        wrapper = GenAIEmbedsDecoder(model, layout)
+    with torch.no_grad(), eval_mode(model), ordered_string_sets(model):
         program = torch.export.export(wrapper, sample, dynamic_shapes=dynamic_shapes, strict=False)
     return program, sample
 
 
 @contextlib.contextmanager
-def _ordered_string_sets(model: torch.nn.Module) -> Iterator[None]:
+def ordered_string_sets(model: torch.nn.Module) -> Iterator[None]:
     """Iterate modules' sets of strings in sorted order while tracing.
 
     Some models loop over a set (Gemma 4: ``unique_layer_types``, one rotary table per layer type),

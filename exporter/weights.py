@@ -280,12 +280,25 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     return {name: [name, *(n for n in names if n != name)] for names in groups.values() for name in names}
 
 
-def attach(model: ir.Model, source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> tuple[int, set[str]]:
+def tensor_names(module: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
+    """Each saved tensor name of ``module`` (a part of ``model``, or a view holding its parts) ->
+    the same tensor's name in ``model``, matched by identity."""
+    in_model: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        in_model.setdefault(id(tensor), name)
+    return {name: in_model[id(tensor)] for name, tensor in module.state_dict(keep_vars=True).items()
+            if id(tensor) in in_model}
+
+
+def attach(model: ir.Model, source: WeightSource, shapes: dict[str, tuple[int, ...]],
+           names: dict[str, str] | None = None) -> tuple[int, set[str]]:
     """Give every fake-valued initializer a lazy tensor from ``source``, in the initializer's own
-    dtype (a parameter's is the export's compute dtype; an integer buffer stays integer). Returns
-    how many initializers, and the saved tensor names they read."""
+    dtype (a parameter's is the export's compute dtype; an integer buffer stays integer).
+    ``shapes``: the source model's saved tensors; ``names``: the traced module's tensor names ->
+    the source model's (``tensor_names``; None where they are the same). Returns how many
+    initializers, and the saved tensor names they read."""
     read = set()
-    recipes = _recipes(model, shapes)
+    recipes = _recipes(model, shapes, names or {})
     for name, (tensor_name, index) in recipes.items():
         value = model.graph.initializers[name]
         placeholder = value.const_value
@@ -299,7 +312,7 @@ def attach(model: ir.Model, source: WeightSource, shapes: dict[str, tuple[int, .
     return len(recipes), read
 
 
-def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, Index]]:
+def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[str, str]) -> dict[str, tuple[str, Index]]:
     """initializer name -> (saved tensor name, slice of it or None)."""
     recipes: dict[str, tuple[str, Index]] = {}
     pieces: dict[tuple[str, str], list[tuple[int, str, tuple[int, ...]]]] = collections.defaultdict(list)
@@ -311,9 +324,9 @@ def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]]) -> dict[str, t
             shape = tuple(value.const_value.shape.numpy())
             pieces[(match["source"], match["use"])].append((int(match["part"]), name, shape))
         else:
-            recipes[name] = (_tensor_name(name, shapes), None)
+            recipes[name] = (_tensor_name(name, shapes, names), None)
     for (target, _), parts in pieces.items():
-        tensor_name = _tensor_name(target, shapes)
+        tensor_name = _tensor_name(target, shapes, names)
         whole = shapes[tensor_name]
         parts.sort()
         axis = next(a for a in range(len(whole)) if parts[0][2][a] != whole[a])
@@ -326,8 +339,9 @@ def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]]) -> dict[str, t
     return recipes
 
 
-def _tensor_name(target: str, shapes) -> str:
+def _tensor_name(target: str, shapes, names: dict[str, str]) -> str:
     name = target.removeprefix(_TARGET_PREFIX)
+    name = names.get(name, name)
     if name not in shapes:
         raise RuntimeError(f"initializer {target} is no saved tensor of the model")
     return name
@@ -351,11 +365,9 @@ def _to_ir(tensor: torch.Tensor, name: str) -> ir.TensorProtocol:
     return ir.Tensor(tensor.numpy(), name=name)
 
 
-def attach_and_account(model: ir.Model, source: WeightSource, shapes: dict[str, tuple[int, ...]],
-                       strict: bool) -> list[str]:
-    """``attach``, then what the report says of it: how many tensors stream from where, and the
-    checkpoint tensors the graph does not read (an error under ``strict``)."""
-    attached, read = attach(model, source, shapes)
+def account(source: WeightSource, attached: int, read: set[str], strict: bool) -> list[str]:
+    """What the report says of the attached weights (of every session): how many tensors stream
+    from where, and the checkpoint tensors no graph reads (an error under ``strict``)."""
     unread = source.unread(read)
     if strict and unread.unexplained:
         raise ExporterError(f"--strict: {unread.notes()[0]}")

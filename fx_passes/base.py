@@ -46,8 +46,9 @@ class PassRecord:
 class FxPass(Protocol):
     name: str
 
-    def applies(self, facts: PlanFacts) -> str | None:
-        """Why the pass runs for an export with these facts, or None where it does not."""
+    def applies(self, facts: PlanFacts, session: Any) -> str | None:
+        """Why the pass runs on this session (``exporter.sessions``) of an export with these facts,
+        or None where it does not."""
         ...
 
     def __call__(

@@ -45,7 +45,7 @@ def _is_noop(node: torch.fx.Node) -> bool:
 class DropNoopCasts:
     name = "drop_noop_casts"
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         return "casts to the dtype a tensor already has are no-ops"
 
     def __call__(

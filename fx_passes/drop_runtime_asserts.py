@@ -19,7 +19,7 @@ _ASSERT_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
 class DropRuntimeAsserts:
     name = "drop_runtime_asserts"
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         return "torch.export's runtime shape asserts check nothing ONNX Runtime can act on"
 
     def __call__(

@@ -58,8 +58,10 @@ def _vocabulary_projections(node: torch.fx.Node, vocab_size: int) -> list[torch.
 class GatherLastToken:
     name = "gather_last_token"
 
-    def applies(self, facts) -> str | None:
-        return None if facts.full_logits else "generation reads the last token's logits only"
+    def applies(self, facts, session) -> str | None:
+        if not session.is_decoder or facts.full_logits:
+            return None
+        return "generation reads the last token's logits only"
 
     def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
         graph = program.graph

@@ -31,9 +31,16 @@ def graph_outputs(program: ExportedProgram) -> list[Node]:
     return list(output.args[0])
 
 
+def token_input(program: ExportedProgram) -> Node:
+    """The decoder's token input: ``input_ids``, or a multimodal decoder's ``inputs_embeds``
+    (batch and sequence first in both)."""
+    names = {n.name for n in program.graph.nodes if n.op == "placeholder"}
+    return user_input(program, "inputs_embeds" if "inputs_embeds" in names else "input_ids")
+
+
 def sequence_symbol(program: ExportedProgram) -> sympy.Expr:
-    """The symbolic length of the current chunk of tokens (input_ids' second dimension)."""
-    size = user_input(program, "input_ids").meta["val"].shape[1]
+    """The symbolic length of the current chunk of tokens (the token input's second dimension)."""
+    size = token_input(program).meta["val"].shape[1]
     if not isinstance(size, torch.SymInt):
         raise PassDidNotApply("input_ids has a static sequence length; the program was traced without dynamic shapes")
     return size.node.expr
@@ -130,6 +137,8 @@ def probe_inputs(program: ExportedProgram, length: int, past: int = 0) -> dict[s
             inputs[node.name] = torch.arange(past, past + length, dtype=value.dtype)[None]
         elif node.name == "input_ids":
             inputs[node.name] = torch.zeros(1, length, dtype=value.dtype)
+        elif node.name in ("inputs_embeds", "per_layer_inputs"):  # a multimodal decoder's: [batch, seq, width]
+            inputs[node.name] = torch.zeros(1, dtype=value.dtype).expand(1, length, int(value.shape[2]))
         else:  # a past KV input: [batch, heads, past, head]
             shape = (1, int(value.shape[1]), past, int(value.shape[3]))
             inputs[node.name] = torch.zeros(1, dtype=value.dtype).expand(shape)

@@ -48,7 +48,7 @@ def piece_bounds(size: int, other: int, element_bytes: float, limit: int, multip
 class SplitOversizedWeights:
     name = "split_oversized_weights"
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         limit = facts.profile.max_buffer_size
         return None if limit is None else f"{facts.profile.name} holds at most {limit // 2**20} MiB in one buffer"
 

@@ -51,8 +51,8 @@ _WINDOWED = torch.ops.genai_exporter.windowed_attention.default
 class SubstituteGroupQueryAttention:
     name = "substitute_group_query_attention"
 
-    def applies(self, facts) -> str | None:
-        if not facts.attention_op:
+    def applies(self, facts, session) -> str | None:
+        if not session.is_decoder or not facts.attention_op:
             return None
         return f"{facts.profile.name} runs GroupQueryAttention at {facts.precision}"
 

@@ -33,6 +33,7 @@ from fx_passes.graph_facts import (
     graph_outputs,
     layer_index,
     sequence_symbol,
+    token_input,
     user_input,
 )
 
@@ -59,9 +60,9 @@ class TruncateSharedKvLayers:
             note += f"; the part of layer {first} that feeds no KV cache runs on it too"
         return note
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         shared = facts.layout.shared_layer_indices
-        if facts.full_logits or not shared:
+        if not session.is_decoder or facts.full_logits or not shared:
             return None
         return f"layers {shared[0]}-{shared[-1]} read other layers' KV caches: prefill runs them on the last token"
 
@@ -80,7 +81,7 @@ class TruncateSharedKvLayers:
 
         seq = sequence_symbol(program)
         mask = user_input(program, "attention_mask")
-        batch = expr_of(user_input(program, "input_ids").meta["val"].shape[0])
+        batch = expr_of(token_input(program).meta["val"].shape[0])
 
         # Gathers that an earlier pass put inside the region now see one token already.
         for node in [n for n in graph.nodes if n in region and n.target is _LAST_TOKEN]:

@@ -1,7 +1,7 @@
 """The ONNX pass protocol, its record, and the loop that runs a planned list of passes.
 
-Every pass has one shape, like the FX passes: a ``name``, ``applies(facts)`` saying why it runs
-for an export with these plan facts (or None), and ``__call__(model, facts)`` that rewrites the
+Every pass has one shape, like the FX passes: a ``name``, ``applies(facts, session)`` saying why it
+runs on that session of an export with these plan facts (or None), and ``__call__(model, facts)`` that rewrites the
 model in place and returns a small dict of counts for the report.
 """
 
@@ -17,7 +17,7 @@ import onnx_ir as ir
 class OnnxPass(Protocol):
     name: str
 
-    def applies(self, facts: Any) -> str | None: ...
+    def applies(self, facts: Any, session: Any) -> str | None: ...
 
     def __call__(self, model: ir.Model, facts: Any) -> dict[str, int]: ...
 

@@ -28,7 +28,7 @@ class FoldConstants:
         self.after_fusions = after_fusions
         self.name = "fold_fusion_constants" if after_fusions else "fold_constants"
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         if not self.after_fusions:
             return "torch.onnx leaves constant subgraphs (shapes, casts of constants)"
         if not facts.profile.norm_fusions:

@@ -17,7 +17,7 @@ class FoldWeightTransposes:
 
     name = "fold_weight_transposes"
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         return "MatMuls read their weights as stored instead of transposing them at every step"
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:

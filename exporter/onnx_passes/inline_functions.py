@@ -11,7 +11,7 @@ from exporter.onnx_passes.base import run_in_place
 class InlineFunctions:
     name = "inline_functions"
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         return "later passes match nodes of one flat graph"
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:

@@ -102,7 +102,7 @@ class _NormFusion:
 
     op_type: str
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         return f"{facts.profile.name} runs {self.op_type}" if self.op_type in facts.profile.norm_fusions else None
 
     def rules(self) -> list:

@@ -104,8 +104,10 @@ class QuantizeInt4:
 
     name = "quantize_int4"
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         if facts.precision != "int4":
+            return None
+        if session.is_encoder and not facts.int4_encoders:
             return None
         options = facts.int4
         return (f"int4 weights: block size {options.block_size}, {'symmetric' if options.symmetric else 'asymmetric'}, "
@@ -114,8 +116,8 @@ class QuantizeInt4:
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
         quantizer = _Quantizer(facts.int4)
         quantizer.run(model)
-        if not quantizer.matmuls:
-            raise ExporterError("int4 quantization found no MatMul with a constant weight to quantize")
+        if not quantizer.matmuls and not quantizer.gathers:
+            raise ExporterError("int4 quantization found no MatMul with a constant weight and no embedding table to quantize")
         return {"matmuls": quantizer.matmuls, "gathers": quantizer.gathers,
                 "tables_shared_with_lm_head": quantizer.shared_tables}
 

@@ -5,12 +5,14 @@ from exporter.onnx_passes.fold_constants import FoldConstants
 from exporter.onnx_passes.fold_weight_transposes import FoldWeightTransposes
 from exporter.onnx_passes.inline_functions import InlineFunctions
 from exporter.onnx_passes.norm_fusions import FuseRmsNorms, FuseSkipRmsNorms
+from exporter.onnx_passes.pad_audio_frames import PadAudioFrames
 from exporter.onnx_passes.quantize_int4 import QuantizeInt4
 from exporter.onnx_passes.static_reshape_targets import StaticReshapeTargets
 from exporter.onnx_passes.tidy import Tidy
 
 ONNX_PASSES = {p.name: p for p in (
     InlineFunctions(),
+    PadAudioFrames(),
     FoldWeightTransposes(),
     FoldConstants(),
     StaticReshapeTargets(),

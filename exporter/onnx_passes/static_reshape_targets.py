@@ -49,8 +49,10 @@ def _target(node: ir.Node) -> list[int] | None:
 class StaticReshapeTargets:
     name = "static_reshape_targets"
 
-    def applies(self, facts) -> str | None:
-        return "a captured graph runs no shape arithmetic on the CPU" if facts.graph_capture else None
+    def applies(self, facts, session) -> str | None:
+        if not session.captured(facts):
+            return None
+        return "a captured graph runs no shape arithmetic on the CPU"
 
     def __call__(self, model: ir.Model, facts=None) -> dict[str, int]:
         rewritten = 0

@@ -32,7 +32,7 @@ def _tidy_passes() -> list[ir.passes.PassBase]:
 class Tidy:
     name = "tidy"
 
-    def applies(self, facts) -> str | None:
+    def applies(self, facts, session) -> str | None:
         return "lowering and folding leave dead nodes, duplicates and provenance metadata"
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:

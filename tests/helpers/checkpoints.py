@@ -14,49 +14,16 @@ from pathlib import Path
 import torch
 import transformers
 
-from exporter.presets import build_preset
+from exporter.presets import (  # noqa: F401  (re-exported for tests)
+    SCALE_RANGE,
+    ZERO_NOISE,
+    build_preset,
+    constant_saved_tensors,
+    move_constant_tensors,
+)
 
-# A constant c becomes c * U(0.75, 1.25) per element; a zero one gets N(0, ZERO_NOISE) noise.
-SCALE_RANGE = (0.75, 1.25)
-ZERO_NOISE = 0.02
-
-
-def constant_saved_tensors(model: torch.nn.Module) -> list[str]:
-    """Names of floating tensors in ``state_dict()`` (parameters and persistent buffers) whose
-    elements are all equal: what a dropped or re-initialised tensor would be indistinguishable from."""
-    return [
-        name
-        for name, tensor in model.state_dict().items()
-        if tensor.is_floating_point()
-        and tensor.numel() > 0
-        and bool(torch.isfinite(tensor.flatten()[0]))  # +-inf clip bounds (no clipping) stay as they are
-        and bool((tensor == tensor.flatten()[0]).all())
-    ]
-
-
-@torch.no_grad()
-def perturb_constant_tensors(model: torch.nn.Module, seed: int = 0) -> list[str]:
-    """Move every constant saved tensor away from its constant, in place; returns their names.
-    Tied tensors (one storage under several names) are moved once."""
-    generator = torch.Generator().manual_seed(seed)
-    state, moved, seen = model.state_dict(keep_vars=True), [], set()
-    for name in constant_saved_tensors(model):
-        tensor = state[name]
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        value = float(tensor.flatten()[0])
-        before = tensor.clone()
-        if value == 0.0:
-            noise = torch.randn(tensor.shape, generator=generator) * ZERO_NOISE
-            tensor.add_(noise.to(tensor.dtype))
-        else:
-            low, high = SCALE_RANGE
-            factor = low + (high - low) * torch.rand(tensor.shape, generator=generator)
-            tensor.mul_(factor.to(tensor.dtype))
-        assert not bool((tensor == before).any()), f"{name}: an element kept its init value"
-        moved.append(name)
-    return moved
+# The presets' own constant-moving, under the name the tests use.
+perturb_constant_tensors = move_constant_tensors
 
 
 def save_checkpoint(model, tokenizer, folder: Path) -> Path:
