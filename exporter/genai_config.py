@@ -73,6 +73,9 @@ def build_genai_config(
         model["image_token_id"] = multimodal.image_token_id
         model["audio_token_id"] = multimodal.audio_token_id
         model["boa_token_id"] = multimodal.boa_token_id
+        if "speech" not in sections:
+            # GenAI 0.18 refuses a gemma4 package without a speech section, even one with no audio.
+            model["speech"] = {"config_filename": ""}
     return {
         "model": model,
         "search": {

@@ -48,9 +48,7 @@ class MultimodalFacts:
     image_token_id: int
     audio_token_id: int
     boa_token_id: int
-    pad_token_id: int
     hidden_size: int  # the language model's: encoders project into it
-    per_layer_width: int  # num_hidden_layers * hidden_size_per_layer_input, the embedding's second output
     image: ImageSettings
     log_mel: dict[str, Any] | None  # Gemma4LogMel's attributes; None: the model has no audio tower
 
@@ -122,9 +120,7 @@ def multimodal_facts(config, processor_settings: dict[str, dict[str, Any]], sour
         image_token_id=int(config.image_token_id),
         audio_token_id=int(config.audio_token_id),
         boa_token_id=int(config.boa_token_id),
-        pad_token_id=int(text.pad_token_id),
         hidden_size=int(text.hidden_size),
-        per_layer_width=int(text.num_hidden_layers * text.hidden_size_per_layer_input),
         image=settings,
         log_mel=log_mel,
     )
@@ -132,7 +128,9 @@ def multimodal_facts(config, processor_settings: dict[str, dict[str, Any]], sour
 
 def _log_mel_attributes(section: dict[str, Any], source: str) -> dict[str, Any]:
     """Gemma4LogMel's attributes: the section's values, else transformers' own defaults for them."""
-    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.feature_extraction_gemma4 import (
+        Gemma4AudioFeatureExtractor,
+    )
 
     defaults = {name: p.default for name, p in inspect.signature(Gemma4AudioFeatureExtractor.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}

@@ -111,6 +111,6 @@ def _is_plain_file_name(name: str) -> bool:
 def save_report(report, stages, folder: Path) -> None:
     """The export report, JSON and Markdown, with the stage timings and the files written so far."""
     report.stages = [s.to_dict() for s in stages.records]
-    report.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    report.files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
     save_json(report.to_dict(), folder / REPORT_FILENAME)
     (folder / REPORT_MARKDOWN_FILENAME).write_text(report.to_markdown())

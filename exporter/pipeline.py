@@ -15,7 +15,6 @@ from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter import package, postconditions, weights
 from exporter.errors import ExporterError
-from exporter.multimodal import require_special_strings
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
     build_genai_config,
@@ -23,6 +22,7 @@ from exporter.genai_config import (
 )
 from exporter.layout import DecoderLayout
 from exporter.lower import lower
+from exporter.multimodal import require_special_strings
 from exporter.onnx_passes import ONNX_PASSES, run_onnx_passes
 from exporter.onnx_passes.norm_fusions import FusionDidNotApply
 from exporter.onnx_passes.quantize_int4 import Int4Options
@@ -118,18 +118,21 @@ def export(
         with stages.stage(_stage("trace", session, settings)):
             traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
         with stages.stage(_stage("fx_passes", session, settings)):
-            program = _run_fx_passes(traced.program, session_plan, settings, session_report, report)
+            program = _run_fx_passes(traced.program, session, session_plan, settings, session_report, report)
         with stages.stage(_stage("lower", session, settings)):
             onnx_model = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
                                    session.input_names(settings), session.output_names(settings))
+            module = traced.module
             del program, traced
             if loaded.weights is not None:
-                names = weights.tensor_names(_traced_module(session, prepared), prepared.model)
+                names = weights.tensor_names(module, prepared.model)
                 count, session_read = weights.attach(onnx_model, loaded.weights, prepared.saved_shapes, names)
                 attached, read = attached + count, read | session_read
         with stages.stage(_stage("onnx_passes", session, settings)):
             _run_onnx_passes(onnx_model, session_plan, settings, session_report)
             postconditions.require(onnx_model, settings, session)
+            if note := postconditions.uncaptured_cpu_note(onnx_model, settings, session):
+                report.notes.append(note)
         session_report.describe_graph(onnx_model)
         models[session.name] = onnx_model
     if loaded.weights is not None:
@@ -157,12 +160,6 @@ def _stage(step: str, session, settings: ExportSettings) -> str:
     return f"{step}:{session.name}" if settings.multimodal else step
 
 
-def _traced_module(session, prepared):
-    """The module a session's trace wrapper holds: the decoder traces the causal LM, the others
-    the whole model."""
-    return prepared.decoder if session.is_decoder else prepared.model
-
-
 def _profile(ep: str | EpProfile) -> EpProfile:
     try:
         return ep if isinstance(ep, EpProfile) else get_profile(ep)
@@ -180,10 +177,11 @@ def _new_report(loaded, settings: ExportSettings, plan: ExportPlan) -> ExportRep
     return report
 
 
-def _run_fx_passes(program, session, settings: ExportSettings, session_report: SessionReport, report: ExportReport):
+def _run_fx_passes(program, session, session_plan, settings: ExportSettings, session_report: SessionReport,
+                   report: ExportReport):
     context = PassContext(profile=settings.profile, layout=settings.layout, precision=settings.precision,
-                          weight_bytes=settings.weight_bytes, graph_capture=settings.graph_capture)
-    passes = [FX_PASSES[p.name] for p in session.fx_passes]
+                          weight_bytes=settings.stored_weight_bytes(session), graph_capture=session.captured(settings))
+    passes = [FX_PASSES[p.name] for p in session_plan.fx_passes]
     try:
         program, records = run_fx_passes(program, passes, context)
     except PassDidNotApply as error:

@@ -46,6 +46,17 @@ class ExportSettings:
     def weight_bytes(self) -> float:
         return PRECISIONS[self.precision].weight_bytes
 
+    def quantized(self, session) -> bool:
+        """Whether ``session``'s weights are stored in int4: the decoder's and the embedding's at
+        int4; an encoder's only with ``int4_encoders``."""
+        return self.precision == "int4" and (not session.is_encoder or self.int4_encoders)
+
+    def stored_weight_bytes(self, session) -> float:
+        """Bytes a weight of ``session`` takes in the package (what buffer limits are checked with)."""
+        if self.precision == "int4" and not self.quantized(session):
+            return self.compute_dtype.itemsize
+        return self.weight_bytes
+
     @property
     def share_kv_buffer(self) -> bool:
         """Whether the package asks for one KV buffer for past and present (the export then checks
@@ -83,6 +94,7 @@ class ExportPlan:
             "sessions": [
                 {
                     "name": session.name,
+                    "captured": SESSIONS[session.name].captured(settings),
                     "fx_passes": [vars(p) for p in session.fx_passes],
                     "onnx_passes": [vars(p) for p in session.onnx_passes],
                 }

@@ -1,5 +1,8 @@
-"""What must hold of a finished decoder graph, read off the graph alone: the export checks it
-before writing, and ``check`` checks a package with the same functions.
+"""What must hold of a finished session's graph, read off the graph alone: the export checks it
+before writing, and ``check`` checks a package with the same functions. The demands are the
+decoder's (the one session GenAI captures and gives a KV cache); for the other sessions of a
+multimodal package the export only reports the nodes that would run on the CPU
+(``uncaptured_cpu_note``).
 
 - ``cpu_placed_nodes``: the nodes an EP would run on the CPU in a graph that must be captured.
 - ``presents_written_in_place``: whether every present KV is written by GroupQueryAttention, the
@@ -106,3 +109,16 @@ def require(model: ir.Model, settings, session) -> None:
             f"EP '{name}' captures the decoder's graph, but {len(on_cpu)} nodes would run on the CPU "
             f"({describe(on_cpu)}); export with --no-graph-capture (API: graph_capture=False), or report the model"
         )
+
+
+def uncaptured_cpu_note(model: ir.Model, settings, session) -> str | None:
+    """For a session an EP runs without graph capture (a multimodal package's encoders and
+    embedding): the nodes ONNX Runtime would place on the CPU, for the report. Not an error: only
+    a captured graph must run whole on the EP."""
+    if session.captured(settings) or not settings.profile.genai_provider:
+        return None
+    on_cpu = cpu_placed_nodes(model)
+    if not on_cpu or session.is_decoder:
+        return None
+    return (f"{session.name} session: {len(on_cpu)} shape nodes run on the CPU beside "
+            f"{settings.profile.name} ({describe(on_cpu, 3)}); it is not captured, so that only costs copies")

@@ -9,6 +9,7 @@ stable reference; tempered, fp32 vs fp64 agree to ~1e-6 (measured on tiny-gemma-
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,9 +219,11 @@ PRESETS: dict[str, Preset] = {
 DEFAULT_PRESET = "tiny-gemma-4"
 
 
-def train_tokenizer(vocab_size: int, extra_special_tokens: tuple[str, ...] = ()) -> transformers.PreTrainedTokenizerFast:
+def train_tokenizer(vocab_size: int, extra_special_tokens: tuple[str, ...] = (),
+                    special_token_ids: dict[str, int] | None = None) -> transformers.PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on the built-in text, with Gemma's special-token ids
-    (then ``extra_special_tokens``, from id 4)."""
+    (then ``extra_special_tokens``, from id 4, or at the ids ``special_token_ids`` gives them: a
+    full-size config's image and audio token ids lie far beyond the trained vocabulary)."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -231,14 +234,28 @@ def train_tokenizer(vocab_size: int, extra_special_tokens: tuple[str, ...] = ())
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    if special_token_ids:
+        data = json.loads(tokenizer.to_str())
+        for entry in data["added_tokens"]:
+            entry["id"] = special_token_ids.get(entry["content"], entry["id"])
+        data["model"]["vocab"].update(special_token_ids)
+        tokenizer = Tokenizer.from_str(json.dumps(data))
+    extra = {"extra_special_tokens": list(extra_special_tokens)} if extra_special_tokens else {}
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token="<pad>",
         eos_token="<eos>",
         bos_token="<bos>",
         unk_token="<unk>",
-        extra_special_tokens=list(extra_special_tokens) or None,
+        **extra,
     )
+
+
+def marker_ids(config) -> dict[str, int]:
+    """A Gemma 4 multimodal config's ids of the image and audio marker strings."""
+    return dict(zip(MULTIMODAL_TOKENS, (config.boi_token_id, config.image_token_id, config.eoi_token_id,
+                                        config.boa_token_id, config.audio_token_id, config.eoa_token_index,
+                                        config.video_token_id), strict=True))
 
 
 def preset_tokenizer(name: str) -> transformers.PreTrainedTokenizerFast:

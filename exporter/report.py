@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections import Counter
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -22,8 +22,20 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from exporter.errors import ExporterError
-from exporter.multimodal import MultimodalFacts, is_multimodal, multimodal_facts, read_processor_settings
-from exporter.presets import PRESETS, build_preset, train_tokenizer
+from exporter.multimodal import (
+    MultimodalFacts,
+    is_multimodal,
+    multimodal_facts,
+    read_processor_settings,
+)
+from exporter.presets import (
+    MULTIMODAL_TOKENS,
+    PRESETS,
+    build_preset,
+    marker_ids,
+    preset_tokenizer,
+    train_tokenizer,
+)
 from exporter.weights import (
     RandomWeights,
     SafetensorsWeights,
@@ -85,10 +97,10 @@ def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions(
         if options.random_weights:
             loaded = _random(preset.make_config(), tokenizer, f"preset {name}", options, preset.processor_settings)
             if tokenizer is None and loaded.multimodal is not None:
-                loaded.tokenizer = build_preset(name, tokenizer_only=True)
+                loaded.tokenizer = preset_tokenizer(name)
             return loaded
-        model, preset_tokenizer = build_preset(name)
-        loaded = LoadedModel(model, tokenizer or preset_tokenizer, f"preset {name} (random weights)")
+        model, built_tokenizer = build_preset(name)
+        loaded = LoadedModel(model, tokenizer or built_tokenizer, f"preset {name} (random weights)")
         return _multimodal_or_text(loaded, model.config, options, preset.processor_settings)
     path = Path(name).expanduser()
     if path.exists():
@@ -264,8 +276,11 @@ def _random(config, tokenizer: Any, source: str, options: LoadOptions, processor
     weights = RandomWeights(shapes, std=getattr(config.get_text_config(decoder=True), "initializer_range", 0.02))
     notes = []
     if tokenizer is None:
-        tokenizer = train_tokenizer(512)
-        notes.append("tokenizer: the built-in 512-token BPE (the real tokenizer is not shipped)")
+        multimodal = is_multimodal(config) and not options.text_only
+        # A multimodal package needs the image and audio markers, at the config's ids.
+        tokenizer = train_tokenizer(512, MULTIMODAL_TOKENS, marker_ids(config)) if multimodal else train_tokenizer(512)
+        notes.append("tokenizer: the built-in 512-token BPE (the real tokenizer is not shipped)"
+                     + (", with Gemma 4's image and audio markers at the config's ids" if multimodal else ""))
     loaded = LoadedModel(model, tokenizer, f"{source} ({weights.description})", notes, weights)
     return _multimodal_or_text(loaded, config, options, processor_settings or {})
 

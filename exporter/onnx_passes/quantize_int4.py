@@ -107,7 +107,7 @@ class QuantizeInt4:
     def applies(self, facts, session) -> str | None:
         if facts.precision != "int4":
             return None
-        if session.is_encoder and not facts.int4_encoders:
+        if not facts.quantized(session):
             return None
         options = facts.int4
         return (f"int4 weights: block size {options.block_size}, {'symmetric' if options.symmetric else 'asymmetric'}, "

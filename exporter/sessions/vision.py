@@ -3,8 +3,9 @@ the language model's width, ``image_features [tokens, hidden]``.
 
 ``pixel_values`` is declared fp32 whatever the package precision and cast inside the graph:
 ONNX Runtime GenAI converts the processor's fp32 patches to whatever the graph declares, and one
-conversion fewer on the host is one place less to get wrong. Padding patches (position -1, -1),
-which GenAI adds when a prompt's images differ in size, are dropped by transformers' own pooler.
+conversion fewer on the host is one place less to get wrong. GenAI runs the session once per image
+(batch 1); with several images in a prompt it pads each to the largest one's patch count with
+positions (-1, -1), which transformers' own pooler drops.
 
 The patch count is traced as ``pooling_kernel_size**2 * soft_tokens`` (GenAI always feeds a
 multiple: each image's patches, or the largest image's), so the pooler's ``int(sqrt(patches //

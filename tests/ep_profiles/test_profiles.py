@@ -64,6 +64,7 @@ def test_unknown_eps_are_named():
 def test_genai_config_follows_the_profile(preset_exports):
     """Provider options (graph capture included) and a profile's max_length cap reach genai_config."""
     from exporter.genai_config import build_genai_config
+    from exporter.plan import export_settings
     from exporter.sessions import DecoderSession
 
     exported = preset_exports.get("tiny-gemma-4")
@@ -72,7 +73,8 @@ def test_genai_config_follows_the_profile(preset_exports):
     decoder = DecoderSession()
 
     def sections(profile, graph_capture=True):
-        return {"decoder": decoder.genai_section(layout, profile, ["input_ids", "attention_mask"], graph_capture)}
+        settings = export_settings(profile, layout, "fp32", graph_capture=graph_capture)
+        return {"decoder": decoder.genai_section(settings, ["input_ids", "attention_mask"])}
 
     config = build_genai_config(layout, capped, generation, sections(capped), share_kv_buffer=True)
     assert config["model"]["context_length"] == config["search"]["max_length"] == 64 < layout.context_length

@@ -116,3 +116,45 @@ def test_plan_command_lists_sessions_and_passes(capsys):
     assert decoder["onnx_passes"][3] == {"name": "static_reshape_targets",
                                          "why": "a captured graph runs no shape arithmetic on the CPU"}
     assert main(["plan", "tiny-gemma-4", "--ep", "tpu"]) == 2
+
+
+# The multimodal package: each session's (FX passes, ONNX passes). The decoder gets every decoder
+# pass; the encoders none of them; only the decoder is captured; int4 leaves the encoders alone
+# unless asked (int4_encoders), and quantizes the embedding session's tables.
+ENCODER_FX = [*CLEANUP]
+ENCODER_FX_WEBGPU = [*CLEANUP, SPLIT]
+SPEECH_ONNX = ["inline_functions", "pad_audio_frames", *LOWERED[1:], *TIDY_AND_FUSE]
+MULTIMODAL_GOLDEN = {
+    ("cpu", "fp32", False): {
+        "decoder": (GEMMA4_FX, ONNX),
+        "embedding": (ENCODER_FX, ONNX),
+        "vision": (ENCODER_FX, ONNX),
+        "speech": (ENCODER_FX, SPEECH_ONNX),
+    },
+    ("webgpu", "int4", False): {
+        "decoder": ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED + INT4),
+        "embedding": (ENCODER_FX_WEBGPU, ONNX + INT4),
+        "vision": (ENCODER_FX_WEBGPU, ONNX),
+        "speech": (ENCODER_FX_WEBGPU, SPEECH_ONNX),
+    },
+    ("cpu", "int4", True): {
+        "decoder": (GEMMA4_FX, ONNX + INT4),
+        "embedding": (ENCODER_FX, ONNX + INT4),
+        "vision": (ENCODER_FX, ONNX + INT4),
+        "speech": (ENCODER_FX, SPEECH_ONNX + INT4),
+    },
+}
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("key", list(MULTIMODAL_GOLDEN), ids=["/".join(map(str, k)) for k in MULTIMODAL_GOLDEN])
+def test_golden_multimodal_plan(key):
+    from exporter.multimodal import multimodal_facts
+    from exporter.presets import PRESETS
+
+    ep, precision, int4_encoders = key
+    preset = PRESETS["tiny-gemma-4-multimodal"]
+    facts = multimodal_facts(preset.make_config(), preset.processor_settings, "preset")
+    plan = _plan("tiny-gemma-4-multimodal", ep, precision, multimodal=facts, int4_encoders=int4_encoders)
+    assert {s.name: ([p.name for p in s.fx_passes], [p.name for p in s.onnx_passes]) for s in plan.sessions} == \
+        {name: tuple(passes) for name, passes in MULTIMODAL_GOLDEN[key].items()}

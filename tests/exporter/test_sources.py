@@ -101,7 +101,10 @@ def test_multimodal_gemma4_exports_its_language_model(tmp_path, tied):
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert (reference.lm_head.weight is reference.get_input_embeddings().weight) is tied
 
-    package = export(str(folder), output_dir=tmp_path / "pkg", strict=True)
+    # Without its processor settings, a multimodal package cannot be made: a clear error.
+    with pytest.raises(ExporterError, match="no image processor settings.*--text-only"):
+        export(str(folder), output_dir=tmp_path / "pkg", strict=True)
+    package = export(str(folder), output_dir=tmp_path / "pkg", strict=True, text_only=True)
     notes = package.report.notes
     assert any("multimodal" in note and "text-only" in note for note in notes)
     assert any(note.startswith("checkpoint tensors left out, the multimodal model's other parts") for note in notes)

@@ -1,0 +1,310 @@
+"""The Gemma 4 multimodal package: decoder, embedding, vision and speech sessions.
+
+The checkpoint is tiny-gemma-4-multimodal (every constant saved tensor already moved by the preset,
+clip bounds finite), saved by ``save_pretrained`` with the processor settings laid out like Google's
+(one ``processor_config.json`` with ``image_processor`` and ``feature_extractor`` sections), and
+exported from that folder with its weights streamed. ONNX Runtime GenAI's own processor turns a PNG
+and a 16 kHz WAV written here into the package's inputs; transformers' ``from_pretrained`` of the
+folder, fed the very tensors GenAI's processor made, is the reference.
+
+Tolerance: 1e-4 on the prefill logits of an fp32 package (measured ~6e-7: the same fp32 math in a
+different order; logits here are O(1)), and the 16 greedy tokens equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import transformers
+from helpers.checkpoints import constant_saved_tensors, save_checkpoint
+from helpers.webgpu import WEBGPU, require_webgpu
+
+from ep_profiles import get_profile
+from exporter import export
+from exporter.check import check_package
+from exporter.ep_runtime import genai_config
+from exporter.layout import derive_layout
+from exporter.multimodal import read_processor_settings
+from exporter.presets import PRESETS, build_preset, train_tokenizer
+from exporter.sample_media import gradient_image, tone, write_png, write_wav
+
+pytestmark = pytest.mark.xdist_group("multimodal")
+
+PRESET = "tiny-gemma-4-multimodal"
+NEW_TOKENS = 16
+LOGITS_TOLERANCE = 1e-4
+CASES = {  # prompt, image?, audio?
+    "text": ("Alice was beginning to get very tired", False, False),
+    "image": ("<|image|> What is in the picture?", True, False),
+    "audio": ("<|audio|> What is said?", False, True),
+    "image_audio": ("<|image|><|audio|> Describe both.", True, True),
+}
+
+
+def save_multimodal_checkpoint(folder: Path, tokenizer=None) -> Path:
+    model, preset_tokenizer = build_preset(PRESET)
+    save_checkpoint(model, tokenizer or preset_tokenizer, folder)
+    (folder / "processor_config.json").write_text(json.dumps(PRESETS[PRESET].processor_settings, indent=1))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_multimodal_checkpoint(tmp_path_factory.mktemp("multimodal") / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return transformers.Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def package(checkpoint, tmp_path_factory):
+    return export(str(checkpoint), ep="cpu", precision="fp32", strict=True,
+                  output_dir=tmp_path_factory.mktemp("multimodal") / "package")
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("media")
+    return {"image": write_png(folder / "image.png", gradient_image()),
+            "other_image": write_png(folder / "other.png", 255 - gradient_image(seed=1)),
+            "audio": write_wav(folder / "audio.wav", tone())}
+
+
+def genai_run(package_path: Path, prompt: str, image: Path | None, audio: Path | None, on_cpu: bool = True):
+    """GenAI's processor and greedy generation: (the processor's tensors, prefill logits, new tokens)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(genai_config(package_path, on_cpu))
+    processor = model.create_multimodal_processor()
+    inputs = processor(prompt, images=og.Images.open(str(image)) if image else None,
+                       audios=og.Audios.open(str(audio)) if audio else None)
+    tensors = {name: inputs[name].as_numpy() for name in ("input_ids", "pixel_values", "pixel_position_ids",
+                                                          "audio_embeds") if _has(inputs, name)}
+    length = tensors["input_ids"].shape[-1]
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=length + NEW_TOKENS, do_sample=False, repetition_penalty=1.0, min_length=0)
+    generator = og.Generator(model, params)
+    generator.set_inputs(inputs)
+    generator.generate_next_token()
+    prefill = np.array(generator.get_output("logits"), dtype=np.float32).reshape(-1)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return tensors, prefill, generator.get_sequence(0)[length:].tolist()
+
+
+def _has(inputs, name: str) -> bool:
+    try:
+        inputs[name]
+    except Exception:
+        return False
+    return True
+
+
+def transformers_run(model, tensors: dict[str, np.ndarray]):
+    """transformers fed GenAI's tensors: (prefill logits of the last token, greedy new tokens)."""
+    kwargs = {"input_ids": torch.from_numpy(tensors["input_ids"]).long()}
+    if "pixel_values" in tensors:
+        kwargs["pixel_values"] = torch.from_numpy(tensors["pixel_values"]).float()
+        kwargs["image_position_ids"] = torch.from_numpy(tensors["pixel_position_ids"]).long()
+    if "audio_embeds" in tensors:
+        features = torch.from_numpy(tensors["audio_embeds"]).float()
+        kwargs["input_features"] = features
+        kwargs["input_features_mask"] = torch.ones(features.shape[:2], dtype=torch.bool)
+    with torch.no_grad():
+        logits = model(**kwargs).logits[0, -1].numpy()
+        generated = model.generate(**kwargs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return logits, generated[0, kwargs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.l1
+def test_the_preset_checkpoint_moves_every_constant(reference):
+    """Every saved tensor init leaves constant (scalars such as ``layer_scalar`` included) differs
+    from its init value in the saved checkpoint, and the clip bounds are finite."""
+    fresh = transformers.Gemma4ForConditionalGeneration(reference.config).state_dict()
+    saved = reference.state_dict()
+    constants = constant_saved_tensors(transformers.Gemma4ForConditionalGeneration(reference.config))
+    assert any(name.endswith("layer_scalar") for name in constants)
+    assert [name for name in constants if bool((saved[name] == fresh[name]).any())] == []
+    clip_bounds = [t for name, t in saved.items() if name.endswith(("_min", "_max"))]
+    assert clip_bounds and all(bool(torch.isfinite(t).all()) for t in clip_bounds)
+
+
+@pytest.mark.l1
+def test_package_has_four_sessions_and_gemma4_config(package):
+    config = json.loads((package.path / "genai_config.json").read_text())["model"]
+    assert config["type"] == "gemma4"
+    assert [s for s in ("decoder", "embedding", "vision", "speech") if s in config] == [
+        "decoder", "embedding", "vision", "speech"]
+    assert list(package.report.sessions) == ["decoder", "embedding", "vision", "speech"]
+    assert config["decoder"]["inputs"]["per_layer_inputs"] == "per_layer_inputs"
+    assert config["embedding"]["outputs"]["per_layer_inputs"] == "per_layer_inputs"
+    for name in ("decoder", "embedding", "vision", "speech"):
+        assert (package.path / config[name]["filename"]).is_file()
+    vision = onnx.load(str(package.path / config["vision"]["filename"]), load_external_data=False)
+    pixel_values = next(i for i in vision.graph.input if i.name == "pixel_values")
+    assert pixel_values.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    # Every tensor of the checkpoint is read by some session (the export ran with strict=True).
+    assert not any("not read" in note or "no tensor of the model" in note for note in package.report.notes)
+
+
+@pytest.mark.l1
+def test_processor_configs_come_from_the_checkpoint(checkpoint, tmp_path):
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint, folder)
+    settings = json.loads((folder / "processor_config.json").read_text())
+    settings["image_processor"]["max_soft_tokens"] = 140
+    settings["feature_extractor"]["mel_floor"] = 0.01
+    settings["feature_extractor"]["max_frequency"] = 7600
+    (folder / "processor_config.json").write_text(json.dumps(settings))
+    from exporter.multimodal import (
+        multimodal_facts,
+        speech_processor_json,
+        vision_processor_json,
+    )
+
+    facts = multimodal_facts(transformers.AutoConfig.from_pretrained(folder), read_processor_settings(folder), "test")
+    vision = vision_processor_json(facts)["processor"]["transforms"][1]["operation"]["attrs"]
+    assert vision == {"patch_size": 16, "max_soft_tokens": 140, "pooling_kernel_size": 3}
+    log_mel = speech_processor_json(facts)["feature_extraction"]["sequence"][1]["operation"]["attrs"]
+    assert log_mel["mel_floor"] == 0.01 and log_mel["max_frequency"] == 7600.0
+    assert isinstance(log_mel["max_frequency"], float) and isinstance(log_mel["feature_size"], int)
+
+
+@pytest.mark.l1
+def test_tokenizer_without_gemma4_markers_is_refused(tmp_path):
+    folder = save_multimodal_checkpoint(tmp_path / "checkpoint", tokenizer=train_tokenizer(512))
+    result = subprocess.run([sys.executable, "-m", "exporter", str(folder), "-o", str(tmp_path / "out")], check=False,
+                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 2, result.stderr
+    assert "the tokenizer splits '<|image>'" in result.stderr and "--text-only" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.l1
+def test_speech_keeps_bias_add_out_of_skip_norms(package):
+    """The audio tower ends in ``output_proj`` (a MatMul with a 1-D bias) and the audio embedder's
+    RMSNorm reads it: the skip-norm fusion must not take the bias for a residual (its rank guard;
+    ``test_onnx_fusions`` tests the guard itself). Here: the Add stays and feeds the norm, and no
+    skip norm anywhere reads a 1-D input. The audio cases of ``test_genai_matches_transformers``
+    run this graph."""
+    graph = onnx.load(str(package.session_path("speech")), load_external_data=False).graph
+    ranks = {i.name: len(i.dims) for i in graph.initializer}
+    producers = {output: node for node in graph.node for output in node.output}
+    bias_adds = [n for n in graph.node if n.op_type == "Add" and any(ranks.get(x) == 1 for x in n.input)
+                 and any(producers.get(x) is not None and producers[x].op_type == "MatMul" for x in n.input)]
+    assert bias_adds, "the audio tower's output_proj (MatMul + bias Add) was not found"
+    readers = {node.op_type for node in graph.node for add in bias_adds if add.output[0] in node.input}
+    assert readers & {"Pow", "SimplifiedLayerNormalization"}, readers  # the embedder's RMSNorm
+    for node in graph.node:
+        if node.op_type == "SkipSimplifiedLayerNormalization":
+            assert all(ranks.get(x) != 1 for x in node.input[:2]), node.name
+
+
+@pytest.mark.l1
+def test_a_package_without_audio_keeps_an_empty_speech_section():
+    """ONNX Runtime GenAI 0.18 refuses a gemma4 package without a speech section (measured)."""
+    from exporter.genai_config import build_genai_config
+    from exporter.multimodal import multimodal_facts
+
+    preset = PRESETS[PRESET]
+    config = preset.make_config()
+    facts = multimodal_facts(config, preset.processor_settings, "test")
+    facts = dataclasses.replace(facts, log_mel=None)
+    model, _ = build_preset("tiny-gemma-4")
+    layout = derive_layout(model)
+    built = build_genai_config(layout, get_profile("cpu"), model.generation_config, {"decoder": {}}, multimodal=facts)
+    assert built["model"]["speech"] == {"config_filename": ""} and built["model"]["type"] == "gemma4"
+
+
+@pytest.mark.l3
+@pytest.mark.l4
+@pytest.mark.parametrize("case", list(CASES))
+def test_genai_matches_transformers(package, reference, media, case):
+    prompt, with_image, with_audio = CASES[case]
+    tensors, prefill, tokens = genai_run(package.path, prompt, media["image"] if with_image else None,
+                                         media["audio"] if with_audio else None)
+    assert ("pixel_values" in tensors) == with_image and ("audio_embeds" in tensors) == with_audio
+    expected_logits, expected_tokens = transformers_run(reference, tensors)
+    assert np.abs(prefill - expected_logits).max() < LOGITS_TOLERANCE
+    assert tokens == expected_tokens
+
+
+@pytest.mark.l4
+def test_the_image_changes_the_logits(package, media):
+    """A package that ignored its image (or fed the decoder no image features) would pass a
+    comparison on one image by luck no more than once: two images must give different logits."""
+    prompt = CASES["image"][0]
+    _, first, _ = genai_run(package.path, prompt, media["image"], None)
+    _, second, _ = genai_run(package.path, prompt, media["other_image"], None)
+    assert np.abs(first - second).max() > 100 * LOGITS_TOLERANCE
+
+
+@pytest.mark.l4
+def test_check_passes_and_catches_a_missing_per_layer_mapping(package, tmp_path):
+    findings = {f.check: f for f in check_package(package.path, get_profile("cpu"))}
+    assert all(f.passed for f in findings.values()), [f for f in findings.values() if not f.passed]
+    assert {"multimodal_config", "session_vision", "session_speech", "multimodal_generation"} <= set(findings)
+    broken = tmp_path / "broken"
+    shutil.copytree(package.path, broken)
+    config = json.loads((broken / "genai_config.json").read_text())
+    del config["model"]["embedding"]["outputs"]["per_layer_inputs"]
+    (broken / "genai_config.json").write_text(json.dumps(config))
+    finding = next(f for f in check_package(broken, get_profile("cpu")) if f.check == "multimodal_config")
+    assert not finding.passed and "per_layer_inputs" in finding.detail
+
+
+@pytest.mark.l1
+def test_text_only_gives_the_language_model_package(checkpoint, tmp_path):
+    """``--text-only`` of the multimodal folder is byte for byte the package of a text checkpoint
+    holding the same language model (what the exporter wrote for such a folder before it made
+    multimodal packages)."""
+    full = transformers.Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
+    text_config = full.config.get_text_config()
+    text_config.tie_word_embeddings = full.config.tie_word_embeddings
+    text_model = transformers.Gemma4ForCausalLM(text_config)
+    text_model.model.load_state_dict(full.model.language_model.state_dict())
+    text_model.tie_weights()
+    text_model.generation_config = full.generation_config
+    text_folder = save_checkpoint(text_model, transformers.AutoTokenizer.from_pretrained(checkpoint), tmp_path / "text")
+    text_only = export(str(checkpoint), text_only=True, output_dir=tmp_path / "text_only")
+    plain = export(str(text_folder), output_dir=tmp_path / "plain")
+    assert list(text_only.report.sessions) == ["decoder"]
+    for name in ("model.onnx", "model.onnx.data", "genai_config.json"):
+        assert (text_only.path / name).read_bytes() == (plain.path / name).read_bytes(), name
+
+
+@pytest.mark.l5
+def test_webgpu_captures_the_decoder_only_and_matches_cpu(checkpoint, media, tmp_path):
+    require_webgpu()
+    package = export(str(checkpoint), ep="webgpu", precision="fp32", output_dir=tmp_path / "webgpu")
+    config = json.loads((package.path / "genai_config.json").read_text())["model"]
+    options = {name: config[name]["session_options"]["provider_options"][0][WEBGPU.genai_provider]
+               for name in ("decoder", "embedding", "vision", "speech")}
+    assert options["decoder"].get(WEBGPU.graph_capture_option) == "1"
+    assert all(options[name].get(WEBGPU.graph_capture_option) != "1" for name in ("embedding", "vision", "speech"))
+    findings = {f.check: f for f in check_package(package.path, WEBGPU)}
+    assert all(f.passed and not f.skipped for f in findings.values()), [f for f in findings.values() if not f.passed]
+    # Placement is reported per session; the captured decoder runs all on the EP.
+    assert findings["session"].detail.startswith("all ")
+    assert {"session_embedding", "session_vision", "session_speech"} <= set(findings)
+    # Where check finds a session's nodes on the CPU, the export's report said so too.
+    for name in ("embedding", "vision", "speech"):
+        if "CPUExecutionProvider" in findings[f"session_{name}"].detail:
+            assert any(note.startswith(f"{name} session:") for note in package.report.notes), name
+    for case in ("image", "audio"):
+        prompt, with_image, with_audio = CASES[case]
+        image, audio = (media["image"] if with_image else None), (media["audio"] if with_audio else None)
+        _, _, on_cpu = genai_run(package.path, prompt, image, audio, on_cpu=True)
+        _, _, on_ep = genai_run(package.path, prompt, image, audio, on_cpu=False)
+        assert on_ep == on_cpu, case
