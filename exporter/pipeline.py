@@ -95,6 +95,8 @@ def export(
     profile = _profile(ep)
     precision = choose_precision(profile, precision)
     int4 = int4_options(profile, precision, int4)
+    if int4_encoders and precision != "int4":
+        raise ExporterError(f"int4_encoders applies to precision int4, not {precision}")
     output_dir = Path(output_dir)
     package.check_destination(output_dir.resolve(), overwrite)
     stages = StageLog(on_stage)

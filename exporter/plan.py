@@ -107,7 +107,8 @@ class ExportPlan:
         capture = "on" if settings.graph_capture else "off"
         lines = [f"Export plan: {settings.profile.name}, {settings.precision}, graph capture {capture}"]
         for session in self.sessions:
-            lines.append(f"\nsession {session.name}")
+            captured = " (graph captured)" if settings.graph_capture and SESSIONS[session.name].captured(settings) else ""
+            lines.append(f"\nsession {session.name}{captured}")
             for title, passes in (("FX passes", session.fx_passes), ("ONNX passes", session.onnx_passes)):
                 lines.append(f"  {title}:" + ("" if passes else " none"))
                 width = max((len(p.name) for p in passes), default=0)
