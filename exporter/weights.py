@@ -283,11 +283,14 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
 def tensor_names(module: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
     """Each saved tensor name of ``module`` (a part of ``model``, or a view holding its parts) ->
     the same tensor's name in ``model``, matched by identity."""
+    saved = model.state_dict(keep_vars=True)
     in_model: dict[int, str] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in saved.items():
         in_model.setdefault(id(tensor), name)
-    return {name: in_model[id(tensor)] for name, tensor in module.state_dict(keep_vars=True).items()
-            if id(tensor) in in_model}
+    # A tied tensor keeps the name it has in the module where the model has that name too (the
+    # checkpoint may hold it under that one only).
+    return {name: name if saved.get(name) is tensor else in_model[id(tensor)]
+            for name, tensor in module.state_dict(keep_vars=True).items() if id(tensor) in in_model}
 
 
 def attach(model: ir.Model, source: WeightSource, shapes: dict[str, tuple[int, ...]],

@@ -29,6 +29,8 @@ class PadAudioFrames:
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
         graph = model.graph
         features, mask = graph.inputs[0], graph.inputs[1]
+        if (features.name, mask.name) != ("input_features", "input_features_mask"):
+            raise RuntimeError(f"{self.name}: expected the speech inputs, found {features.name}, {mask.name}")
         tape = ir.tape.Tape(graph)
         frames = tape.op("Shape", [features], attributes={"start": 1, "end": 2})
         multiple = tape.initializer(ir.tensor(np.array([FRAME_MULTIPLE], dtype=np.int64), name="pad_audio_frames.multiple"))
