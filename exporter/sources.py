@@ -33,7 +33,6 @@ from exporter.presets import (
     PRESETS,
     build_preset,
     marker_ids,
-    preset_tokenizer,
     train_tokenizer,
 )
 from exporter.weights import (
@@ -95,10 +94,7 @@ def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions(
     if name in PRESETS:
         preset = PRESETS[name]
         if options.random_weights:
-            loaded = _random(preset.make_config(), tokenizer, f"preset {name}", options, preset.processor_settings)
-            if tokenizer is None and loaded.multimodal is not None:
-                loaded.tokenizer = preset_tokenizer(name)
-            return loaded
+            return _random(preset.make_config(), tokenizer, f"preset {name}", options, preset.processor_settings)
         model, built_tokenizer = build_preset(name)
         loaded = LoadedModel(model, tokenizer or built_tokenizer, f"preset {name} (random weights)")
         return _multimodal_or_text(loaded, model.config, options, preset.processor_settings)
