@@ -22,7 +22,6 @@ from exporter.genai_config import (
 )
 from exporter.layout import DecoderLayout
 from exporter.lower import lower
-from exporter.multimodal import require_special_strings
 from exporter.onnx_passes import ONNX_PASSES, run_onnx_passes
 from exporter.onnx_passes.norm_fusions import FusionDidNotApply
 from exporter.onnx_passes.quantize_int4 import Int4Options
@@ -104,8 +103,6 @@ def export(
     with stages.stage("load"):
         options = LoadOptions(allow_pickled_weights, trust_remote_code, random_weights, strict, text_only)
         loaded = load(model, tokenizer, options, processor)
-        if loaded.multimodal:
-            require_special_strings(loaded.tokenizer, loaded.multimodal)
         prepared = prepare(loaded, PRECISIONS[precision].compute_dtype(profile))
     settings = export_settings(profile, prepared.layout, precision, graph_capture=graph_capture,
                                full_logits=full_logits, int4=int4, multimodal=loaded.multimodal,

@@ -27,6 +27,7 @@ from exporter.multimodal import (
     is_multimodal,
     multimodal_facts,
     read_processor_settings,
+    require_special_strings,
 )
 from exporter.presets import (
     MULTIMODAL_TOKENS,
@@ -152,6 +153,7 @@ def _multimodal_or_text(loaded: LoadedModel, config, options: LoadOptions, proce
     although it is multimodal, say so."""
     if is_multimodal(config) and not options.text_only:
         loaded.multimodal = multimodal_facts(config, processor_settings, loaded.source)
+        require_special_strings(loaded.tokenizer, loaded.multimodal)
     elif config.get_text_config(decoder=True) is not config:
         why = "as asked (--text-only)" if options.text_only else "(multimodal packages: Gemma 4 only)"
         loaded.notes.append(f"{config.model_type} is multimodal: exported its language model as a text-only package {why}")
