@@ -127,8 +127,8 @@ def compare_with_source(package: Path, source: Any, precision: str, new_tokens: 
     tolerance = PRECISIONS.get(precision, PRECISIONS["fp32"])
     worst, logit_failure, token_failure, near_ties = 0.0, None, None, 0
     for number, generation in enumerate(generations, start=1):
-        reference = _teacher_forced_logits(model, generation)
-        for step, (got, want, token) in enumerate(zip(generation.logits, reference, generation.tokens, strict=True)):
+        reference = teacher_forced_logits(model, generation.prompt, generation.tokens)
+        for step, (got, want) in enumerate(zip(generation.logits, reference, strict=True)):
             where = f"prompt {number}, generated token {step} (position {len(generation.prompt) + step})"
             if want.shape != got.shape:
                 return [("source_logits", False, (f"the package has {got.shape[-1]} logits, "
@@ -138,16 +138,15 @@ def compare_with_source(package: Path, source: Any, precision: str, new_tokens: 
             if difference > tolerance.source_logits and logit_failure is None:
                 logit_failure = (f"at {where} the logits differ from transformers' by {difference:.3g} "
                                  f"(tolerance {tolerance.source_logits} for {precision})")
-            best = int(want.argmax())
-            if token == best:
-                continue
-            margin = float(want[best] - want[token])
-            if margin <= tolerance.source_near_tie:
+        for departure in departures(reference, generation.tokens):
+            where = f"prompt {number}, generated token {departure.step} (position {len(generation.prompt) + departure.step})"
+            if departure.margin <= tolerance.source_near_tie:
                 near_ties += 1
             elif token_failure is None:
+                token, best = departure.token, departure.best
                 token_failure = (f"at {where} the package picks {token} {tokenizer.decode([token])!r} where "
-                                 f"transformers picks {best} {tokenizer.decode([best])!r}, {margin:.3g} apart (near-tie bound "
-                                 f"{tolerance.source_near_tie} for {precision})")
+                                 f"transformers picks {best} {tokenizer.decode([best])!r}, {departure.margin:.3g} apart "
+                                 f"(near-tie bound {tolerance.source_near_tie} for {precision})")
     steps = sum(len(g.tokens) for g in generations)
     checked = f"{len(generations)} prompts, {steps} greedy steps against {_describe(source)}"
     tie_note = f"; {near_ties} near ties within {tolerance.source_near_tie}" if near_ties else ""
@@ -159,14 +158,34 @@ def compare_with_source(package: Path, source: Any, precision: str, new_tokens: 
     ]
 
 
+@dataclass(frozen=True)
+class Departure:
+    """A step where the package's token is not transformers' best: how far below the best it is."""
+    step: int
+    token: int
+    best: int
+    margin: float
+
+
+def departures(reference: list[np.ndarray], tokens: list[int]) -> list[Departure]:
+    """Each step whose token is not the best of transformers' logits there (``teacher_forced_logits``)."""
+    found = []
+    for step, (want, token) in enumerate(zip(reference, tokens, strict=True)):
+        best = int(want.argmax())
+        if token != best:
+            found.append(Departure(step, token, best, float(want[best] - want[token])))
+    return found
+
+
 @torch.no_grad()
-def _teacher_forced_logits(model, generation: Generation) -> list[np.ndarray]:
-    """transformers' logits for each step, fed the prompt and the package's own tokens."""
-    ids = torch.tensor([generation.prompt + generation.tokens[:-1]])
+def teacher_forced_logits(model, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
+    """transformers' logits for each generated step, fed the prompt and the package's own tokens
+    (one forward pass, so after a near tie both still see the same text)."""
+    ids = torch.tensor([prompt + tokens[:-1]])
     with eval_mode(model):
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-    first = len(generation.prompt) - 1
-    return [row.numpy() for row in logits[first : first + len(generation.tokens)]]
+    first = len(prompt) - 1
+    return [row.numpy() for row in logits[first : first + len(tokens)]]
 
 
 def _package_tokenizer(package: Path):

@@ -2,8 +2,11 @@
 continuations against transformers fp32 (L4 on the CPU EP, L5 on WebGPU).
 
 Accuracy is measured on a tiny Gemma 4 trained on the built-in text (``trained_model``): its
-greedy continuation of a line of that text is the line, with clear logit margins, so a
-precision that keeps the model's behaviour reproduces it token for token.
+greedy continuation of a line of that text is the line, mostly with top-2 logit margins of 4-7.
+Training's float order depends on the CPU, so on some machines a step is a near tie (0.48 was
+seen on one). The continuations are therefore compared the way ``check --against`` compares
+them: transformers is fed the package's tokens, and each token must be its best or within the
+precision's near-tie bound of it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from helpers.genai_greedy import GREEDY_SCRIPT, greedy
 from helpers.trained_model import train_tiny_gemma4
 
 from exporter import export
+from exporter.check_against import departures, teacher_forced_logits
+from exporter.precisions import PRECISIONS
 from exporter.presets import build_preset
 from exporter.trace import GenAIDecoder, input_names, make_inputs
 
@@ -60,12 +65,7 @@ def trained(tmp_path_factory):
         for name, (ep, precision) in PACKAGES.items()
     }
     prompts = [ids[s : s + PROMPT_LENGTH].tolist() for s in PROMPT_STARTS]
-    with torch.no_grad():
-        expected = [
-            model.generate(input_ids=torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-            for p in prompts
-        ]
-    return model, ids, packages, prompts, expected
+    return model, ids, packages, prompts
 
 
 def _initializers(package) -> dict[str, ir.Value]:
@@ -122,7 +122,7 @@ def _session_logits(package, inputs) -> np.ndarray:
 @pytest.mark.l3
 @pytest.mark.parametrize("name", list(PACKAGES))
 def test_logit_error_against_pytorch_fp32(trained, name):
-    model, ids, packages, _, _ = trained
+    model, ids, packages, _ = trained
     package = packages[name]
     layout = package.layout
     inputs = list(make_inputs(layout, 1, 24, 0))
@@ -143,11 +143,20 @@ def _cpu_model(package) -> og.Model:
     return og.Model(config)
 
 
+def _assert_follows_transformers(model, prompts, got, name):
+    """Every token is transformers' best, fed the package's own tokens, or a near tie for it."""
+    bound = PRECISIONS[PACKAGES[name][1]].source_near_tie
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert len(tokens) == NEW_TOKENS
+        parted = departures(teacher_forced_logits(model, prompt, tokens), tokens)
+        assert all(d.margin <= bound for d in parted), f"{name}: {parted} (near-tie bound {bound})"
+
+
 @pytest.mark.l4
 @pytest.mark.parametrize("name", list(PACKAGES))
 def test_greedy_continuation_matches_transformers_fp32(trained, name):
-    _, _, packages, prompts, expected = trained
-    assert greedy(_cpu_model(packages[name]), prompts, NEW_TOKENS) == expected
+    model, _, packages, prompts = trained
+    _assert_follows_transformers(model, prompts, greedy(_cpu_model(packages[name]), prompts, NEW_TOKENS), name)
 
 
 @pytest.mark.l5
@@ -157,10 +166,10 @@ def test_webgpu_greedy_continuation_matches_transformers_fp32(trained, name):
     from helpers.webgpu import require_webgpu
 
     require_webgpu()
-    _, _, packages, prompts, expected = trained
+    model, _, packages, prompts = trained
     done = subprocess.run(
         [sys.executable, str(GREEDY), str(packages[name].path), "webgpu", json.dumps(prompts), str(NEW_TOKENS)],
         check=False, capture_output=True, text=True, env=dict(os.environ), timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+    _assert_follows_transformers(model, prompts, json.loads(done.stdout.strip().splitlines()[-1]), name)
