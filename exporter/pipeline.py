@@ -113,27 +113,9 @@ def export(
     models, attached, read = {}, 0, set()
     for session_plan in plan.sessions:
         session = SESSIONS[session_plan.name]
-        session_report = report.sessions[session.name] = SessionReport(session.filename(settings))
-        with stages.stage(_stage("trace", session, settings)):
-            traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
-        with stages.stage(_stage("fx_passes", session, settings)):
-            program = _run_fx_passes(traced.program, session, session_plan, settings, session_report, report)
-        with stages.stage(_stage("lower", session, settings)):
-            onnx_model = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
-                                   session.input_names(settings), session.output_names(settings))
-            module = traced.module
-            del program, traced
-            if loaded.weights is not None:
-                names = weights.tensor_names(module, prepared.model)
-                count, session_read = weights.attach(onnx_model, loaded.weights, prepared.saved_shapes, names)
-                attached, read = attached + count, read | session_read
-        with stages.stage(_stage("onnx_passes", session, settings)):
-            _run_onnx_passes(onnx_model, session_plan, settings, session_report)
-            postconditions.require(onnx_model, settings, session)
-            if note := postconditions.uncaptured_cpu_note(onnx_model, settings, session):
-                report.notes.append(note)
-        session_report.describe_graph(onnx_model)
-        models[session.name] = onnx_model
+        models[session.name], count, session_read = _export_session(session, session_plan, loaded, prepared,
+                                                                     settings, report, stages)
+        attached, read = attached + count, read | session_read
     if loaded.weights is not None:
         report.notes += weights.account(loaded.weights, attached, read, strict)
 
@@ -152,6 +134,34 @@ def export(
             package.save_tokenizer(loaded.tokenizer, staging)
         package.save_report(report, stages, staging)
     return ExportedPackage(output_dir, report, settings.layout, plan)
+
+
+def _export_session(session, session_plan, loaded, prepared, settings: ExportSettings, report: ExportReport,
+                    stages: StageLog):
+    """One session: trace -> FX passes -> lower (weights attached lazily) -> ONNX passes ->
+    post-conditions. Returns its ONNX model, how many initializers read the checkpoint and which
+    saved tensors they read."""
+    session_report = report.sessions[session.name] = SessionReport(session.filename(settings))
+    attached, read = 0, set()
+    with stages.stage(_stage("trace", session, settings)):
+        traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
+    with stages.stage(_stage("fx_passes", session, settings)):
+        program = _run_fx_passes(traced.program, session, session_plan, settings, session_report, report)
+    with stages.stage(_stage("lower", session, settings)):
+        onnx_model = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
+                               session.input_names(settings), session.output_names(settings))
+        module = traced.module
+        del program, traced
+        if loaded.weights is not None:
+            names = weights.tensor_names(module, prepared.model)
+            attached, read = weights.attach(onnx_model, loaded.weights, prepared.saved_shapes, names)
+    with stages.stage(_stage("onnx_passes", session, settings)):
+        _run_onnx_passes(onnx_model, session_plan, settings, session_report)
+        postconditions.require(onnx_model, settings, session)
+        if note := postconditions.uncaptured_cpu_note(onnx_model, settings, session):
+            report.notes.append(note)
+    session_report.describe_graph(onnx_model)
+    return onnx_model, attached, read
 
 
 def _stage(step: str, session, settings: ExportSettings) -> str:

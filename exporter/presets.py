@@ -2,7 +2,7 @@
 short built-in text, so the whole pipeline runs offline and in tests.
 
 Each preset is a transformers config plus a seed; ``build_preset`` makes the model and tokenizer.
-Gemma 4 presets temper the q/k RMSNorm weights (x0.25): random-init Gemma 4 has attention logits
+Gemma 4 presets temper the q/k RMSNorm weights (x0.25, as ``--random-weights`` does): random-init Gemma 4 has attention logits
 with std ~ sqrt(head_dim) and scaling 1.0, so softmax is nearly argmax and fp32 itself is not a
 stable reference; tempered, fp32 vs fp64 agree to ~1e-6 (measured on tiny-gemma-4).
 """
@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from exporter.weights import TEMPERED_QK_NORM_SCALE
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
@@ -278,7 +280,7 @@ def build_preset(name: str) -> tuple[transformers.PreTrainedModel, transformers.
         with torch.no_grad():
             for module_name, module in model.named_modules():
                 if module_name.endswith(("q_norm", "k_norm")) and getattr(module, "weight", None) is not None:
-                    module.weight.mul_(0.25)
+                    module.weight.mul_(TEMPERED_QK_NORM_SCALE)
     if preset.processor_settings:
         _clip_like_a_checkpoint(model)
         move_constant_tensors(model, preset.seed)

@@ -130,15 +130,24 @@ def fake_weights(model: torch.nn.Module, buffers: bool) -> None:
                 module._buffers[name] = fake_of(buffer, parameter=False)
 
 
+# q/k RMSNorm scales of a random Gemma 4: at 1.0, attention logits have std ~ sqrt(head_dim) with
+# scaling 1.0, softmax is nearly argmax and the model is chaotic (on full-size E2B a one-ulp fp16
+# nudge of its input moves the logits by 62% relative L2 on one EP), so no two EPs can be compared.
+TEMPERED_QK_NORM_SCALE = 0.25
+_QK_NORMS = ("q_norm.weight", "k_norm.weight")
+
+
 class RandomWeights:
-    """What transformers' initialisation draws, without its cost: matrices ~ N(0, std), vectors
-    (norm scales) ones. Each tensor's values follow from its name and slice, so a package is
-    reproducible and a re-read gives the same numbers."""
+    """What transformers' initialisation draws, without its cost: matrices ~ N(0, std), biases
+    zeros, other vectors (norm scales) ones, q/k norm scales ``TEMPERED_QK_NORM_SCALE``. Each
+    tensor's values follow from its name and slice, so a package is reproducible and a re-read
+    gives the same numbers."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], std: float, seed: int = 0):
         self.shapes, self.std, self.seed = shapes, std, seed
         self.provides_buffers = False
-        self.description = f"random weights (N(0, {std}) matrices, unit norm scales, seed {seed})"
+        self.description = (f"random weights (N(0, {std}) matrices, zero biases, unit norm scales, "
+                            f"q/k norm scales {TEMPERED_QK_NORM_SCALE}, seed {seed})")
 
     def unread(self, read: set[str]) -> UnreadTensors:
         return UnreadTensors()  # nothing is stored: every tensor is drawn when read
@@ -146,7 +155,9 @@ class RandomWeights:
     def tensor(self, name: str, index: Index, dtype: torch.dtype) -> torch.Tensor:
         shape = _sliced_shape(self.shapes[name], index)
         if len(shape) < 2:
-            return torch.ones(shape, dtype=dtype)
+            if name.endswith(".bias"):
+                return torch.zeros(shape, dtype=dtype)
+            return torch.full(shape, TEMPERED_QK_NORM_SCALE if name.endswith(_QK_NORMS) else 1.0, dtype=dtype)
         generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}:{index}".encode()))
         return (torch.randn(shape, generator=generator) * self.std).to(dtype)
 
