@@ -33,8 +33,10 @@ import onnx_ir as ir
 
 from ep_profiles import EpProfile
 from exporter import postconditions
+from exporter.integrity import damaged_files, recorded_files
 from exporter.package import GENAI_CONFIG_FILENAME, MODEL_FILENAME, REPORT_FILENAME
 from exporter.precisions import PRECISIONS
+from exporter.units import size_text
 
 KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft"}
 SMOKE_TOKENS = 8
@@ -78,10 +80,15 @@ def check_package(package: Path, profile: EpProfile, against: Any = None) -> lis
         return [Finding("files", False, f"'{package}' is not a package folder (no {GENAI_CONFIG_FILENAME})")]
     try:
         context = _Context(package, profile)
+        damage = damaged_files(package, list(context.session_paths.values()))
     except Exception as error:  # unreadable config or model: nothing else can be checked
         return [Finding("files", False, f"cannot read the package: {error}")]
+    if damage:  # ONNX Runtime would fail later with a deserialization message
+        return [Finding("files", False, "; ".join(damage))]
     loaded = ", ".join(str(path.relative_to(package)) for path in context.session_paths.values())
-    findings = [Finding("files", True, f"{loaded} and {GENAI_CONFIG_FILENAME} load")]
+    recorded = len(recorded_files(package))
+    kept = f"{recorded} files match the size and sha256 recorded at export" if recorded else "no file record to compare with"
+    findings = [Finding("files", True, f"{loaded} and {GENAI_CONFIG_FILENAME} load; {kept}")]
     for check in _CHECKS:
         try:
             findings.extend(check(context))
@@ -116,19 +123,11 @@ def _check_buffer_limit(context: _Context) -> Iterator[Finding]:
                 largest = size
                 largest_name = f"{session}: {tensor.name}" if context.multimodal else tensor.name
     limit = context.profile.max_buffer_size
-    detail = f"largest initializer {largest_name} is {_size(largest)}"
+    detail = f"largest initializer {largest_name} is {size_text(largest)}"
     if limit is None:
         yield Finding("buffer_limit", True, detail + f"; {context.profile.name} sets no limit")
     else:
-        yield Finding("buffer_limit", largest <= limit, detail + f" (limit {_size(limit)})")
-
-
-def _size(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if num_bytes < 1024:
-            return f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    return f"{num_bytes:.2f} GiB"
+        yield Finding("buffer_limit", largest <= limit, detail + f" (limit {size_text(limit)})")
 
 
 def _check_genai_config(context: _Context) -> Iterator[Finding]:
@@ -344,7 +343,6 @@ def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray
     prompt = [t % vocab for t in (2, 17, 42, 5, 99) if t % vocab not in placeholders]
     generation = greedy_with_logits(context.package, [prompt], SMOKE_TOKENS, on_cpu=on_cpu)[0]
     return generation.tokens, generation.logits
-
 
 
 def _precision(context: _Context) -> str:

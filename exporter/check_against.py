@@ -103,7 +103,7 @@ def reference_model(source: Any, trust_remote_code: bool = False) -> transformer
             path, dtype=torch.float32, use_safetensors=True, trust_remote_code=trust_remote_code
         )
     except Exception as error:
-        raise ExporterError(f"transformers cannot load --against '{path}': {str(error).strip().splitlines()[0]}") from None
+        raise ExporterError(f"transformers cannot load --against '{path}': {str(error).strip().splitlines()[0]}") from error
     return model.eval()
 
 
@@ -192,7 +192,7 @@ def _package_tokenizer(package: Path):
     try:
         return transformers.AutoTokenizer.from_pretrained(package)
     except Exception as error:
-        raise ExporterError(f"cannot load the tokenizer of {package}: {str(error).strip().splitlines()[0]}") from None
+        raise ExporterError(f"cannot load the tokenizer of {package}: {str(error).strip().splitlines()[0]}") from error
 
 
 def _describe(source: Any) -> str:

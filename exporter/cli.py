@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 import threading
 import time
@@ -10,7 +12,7 @@ from pathlib import Path
 
 from ep_profiles import PROFILES, get_profile
 from ep_profiles.registry import UnknownProfileError
-from exporter.errors import ExporterError
+from exporter.errors import ExporterError, environment_error
 from exporter.onnx_passes.quantize_int4 import Int4Options
 from exporter.pipeline import export
 from exporter.precisions import PRECISIONS, choose_precision
@@ -185,6 +187,8 @@ def _plan(argv: list[str]) -> int:
     try:
         profile = get_profile(args.ep)
         precision = choose_precision(profile, args.precision)
+        if args.int4_encoders and precision != "int4":
+            raise ExporterError(f"--int4-encoders applies to --precision int4, not {precision}")
         # The plan needs the model's structure only: its config, never its weights.
         loaded = load(args.model, options=LoadOptions(trust_remote_code=args.trust_remote_code, random_weights=True,
                                                       text_only=args.text_only))
@@ -215,7 +219,7 @@ def _int4_options(args, profile, precision: str) -> Int4Options | None:
             accuracy_level=profile.int4_accuracy_level if args.int4_accuracy_level is None else args.int4_accuracy_level,
         )
     except ValueError as error:
-        raise ExporterError(str(error)) from None
+        raise ExporterError(str(error)) from error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +242,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     output = args.output or Path(f"{Path(str(args.model)).name}-{args.ep}-{precision}")
     print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)
+    with _sigterm_as_interrupt():
+        return _export(args, output, int4)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (timeout, CI runners, container stops), handled like Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    def terminate(signum, frame):
+        raise Terminated()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _export(args, output: Path, int4) -> int:
     try:
         result = export(
             args.model,
@@ -261,15 +289,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:
+        terminated = isinstance(interrupt, Terminated)
+        print(f"error: {'terminated' if terminated else 'interrupted'}; nothing was written", file=sys.stderr)
+        return 143 if terminated else 130
+    except OSError as error:
+        if args.debug:
+            raise
+        if (mapped := environment_error(error)) is None:
+            return _unexpected(error)
+        print(f"error: {mapped}", file=sys.stderr)
+        return 2
     except Exception as error:  # a bug, not bad input: still one line, nothing left behind
         if args.debug:
             raise
-        print(f"error: unexpected {type(error).__name__}: {error}; nothing was written. "
-              "Rerun with --debug for the traceback and please report it", file=sys.stderr)
-        return 1
+        return _unexpected(error)
     report = result.report
     nodes = sum(sum(s.op_counts.values()) for s in report.sessions.values())
     weight_bytes = sum(s.initializers["total_bytes"] for s in report.sessions.values())
@@ -282,3 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     for note in report.notes:
         print(f"note: {note}")
     return 0
+
+
+def _unexpected(error: BaseException) -> int:
+    print(f"error: unexpected {type(error).__name__}: {error}; nothing was written. "
+          "Rerun with --debug for the traceback and please report it", file=sys.stderr)
+    return 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from exporter.weights import parameters_on_meta
+from exporter.weights import build_on_meta
 
 
 def cast_like_from_pretrained(model: transformers.PreTrainedModel, dtype: torch.dtype) -> None:
@@ -35,6 +35,5 @@ def cast_like_from_pretrained(model: transformers.PreTrainedModel, dtype: torch.
 
 
 def _computed_buffer_dtypes(model: transformers.PreTrainedModel, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    with parameters_on_meta():
-        built = type(model)._from_config(model.config, dtype=dtype)
+    built = build_on_meta(lambda: type(model)._from_config(model.config, dtype=dtype))
     return {name: buffer.dtype for name, buffer in built.named_buffers()}

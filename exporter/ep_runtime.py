@@ -26,10 +26,10 @@ class EpUnavailable(RuntimeError):
 def _plugin_library(profile: EpProfile) -> str:
     try:
         module = importlib.import_module(profile.ort_plugin)
-    except ImportError:
+    except ImportError as error:
         raise EpUnavailable(
             f"{profile.ort_provider} needs the Python package '{profile.ort_plugin.replace('_', '-')}'"
-        ) from None
+        ) from error
     return module.get_library_path()
 
 

@@ -1,5 +1,45 @@
-"""The one exception type whose message is shown to users as-is."""
+"""The one exception type whose message is shown to users as-is, and the environment's errors
+(full disk, read-only folder, no permission) said as such rather than as bugs."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
 
 
 class ExporterError(Exception):
     """A problem the user can fix; the message is one line that says what to do."""
+
+
+_ENVIRONMENT = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "not permitted (an immutable or protected path)",
+    errno.EEXIST: "it already exists",
+}
+
+
+def environment_error(error: OSError, needed_bytes: int | None = None) -> ExporterError | None:
+    """The one-line error for an OSError the machine causes (not a bug), or None for others."""
+    from exporter.units import size_text
+
+    reason = _ENVIRONMENT.get(error.errno)
+    if reason is None:
+        return None
+    path = error.filename or "?"
+    text = f"cannot write or read '{path}': {reason}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        existing = Path(path)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free if existing.exists() else None
+        needed = f" the package needs about {size_text(needed_bytes)};" if needed_bytes else ""
+        text += f" ({needed} {size_text(free)} free there); free some space or choose another -o" if free is not None else ""
+    elif error.errno == errno.EEXIST:
+        text += "; remove it or choose another -o"
+    else:
+        text += "; fix its permissions or choose another -o"
+    return ExporterError(text)

@@ -196,7 +196,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         values = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise ExporterError(f"cannot read {path}: {error}") from None
+        raise ExporterError(f"cannot read {path}: {error}") from error
     if not isinstance(values, dict):
         raise ExporterError(f"{path} is not a JSON object")
     return values

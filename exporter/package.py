@@ -1,16 +1,14 @@
 """Write the package folder: model.onnx + external data, genai_config.json, tokenizer files and the
-export report. Everything is written to a staging folder beside the destination and moved into
-place at the end, so a failed export leaves nothing half-written behind.
+export report, into the staging folder ``exporter.destination`` gives (moved into place at the end,
+so a failed export leaves nothing half-written behind).
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
-import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,46 +21,6 @@ DATA_FILENAME = "model.onnx.data"
 GENAI_CONFIG_FILENAME = "genai_config.json"
 REPORT_FILENAME = "export_report.json"
 REPORT_MARKDOWN_FILENAME = "export_report.md"
-
-
-def check_destination(output_dir: Path, overwrite: bool) -> None:
-    if not output_dir.exists():
-        return
-    if not output_dir.is_dir():
-        raise ExporterError(f"output path '{output_dir}' is a file; choose a folder path for -o")
-    if not overwrite:
-        raise ExporterError(f"output folder '{output_dir}' exists; choose another -o or pass --overwrite")
-    # --overwrite deletes the folder: only ever one that holds a package (or nothing), so a mistyped
-    # -o cannot wipe a folder of other files.
-    if any(output_dir.iterdir()) and not (output_dir / GENAI_CONFIG_FILENAME).is_file():
-        raise ExporterError(
-            f"output folder '{output_dir}' exists and is not a package (no {GENAI_CONFIG_FILENAME}); "
-            "--overwrite only replaces packages: choose another -o"
-        )
-
-
-@contextlib.contextmanager
-def staging_folder(output_dir: Path, overwrite: bool) -> Iterator[Path]:
-    """Yields an empty folder beside ``output_dir``; on success it replaces ``output_dir``."""
-    output_dir = output_dir.resolve()
-    check_destination(output_dir, overwrite)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
-    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the package is an ordinary folder
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if output_dir.exists():
-        shutil.rmtree(output_dir)
-    os.replace(staging, output_dir)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def save_model(model: ir.Model, folder: Path, filename: str = MODEL_FILENAME) -> None:
@@ -108,9 +66,17 @@ def _is_plain_file_name(name: str) -> bool:
     return bool(name) and name not in (".", "..") and Path(name).name == name and "\\" not in name
 
 
+def file_record(path: Path) -> dict[str, Any]:
+    """A written file's size and sha256, which ``check`` compares with what is on disk later."""
+    with open(path, "rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    return {"bytes": path.stat().st_size, "sha256": digest}
+
+
 def save_report(report, stages, folder: Path) -> None:
-    """The export report, JSON and Markdown, with the stage timings and the files written so far."""
+    """The export report, JSON and Markdown, with the stage timings and the size and sha256 of
+    every file written before it."""
     report.stages = [s.to_dict() for s in stages.records]
-    report.files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    report.files = {p.relative_to(folder).as_posix(): file_record(p) for p in sorted(folder.rglob("*")) if p.is_file()}
     save_json(report.to_dict(), folder / REPORT_FILENAME)
     (folder / REPORT_MARKDOWN_FILENAME).write_text(report.to_markdown())

@@ -13,8 +13,8 @@ from typing import Any
 
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
-from exporter import package, postconditions, weights
-from exporter.errors import ExporterError
+from exporter import destination, package, postconditions, weights
+from exporter.errors import ExporterError, environment_error
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
     build_genai_config,
@@ -97,7 +97,7 @@ def export(
     if int4_encoders and precision != "int4":
         raise ExporterError(f"int4_encoders applies to precision int4, not {precision}")
     output_dir = Path(output_dir)
-    package.check_destination(output_dir.resolve(), overwrite)
+    target = destination.check_destination(output_dir, overwrite)
     stages = StageLog(on_stage)
 
     with stages.stage("load"):
@@ -108,6 +108,7 @@ def export(
                                full_logits=full_logits, int4=int4, multimodal=loaded.multimodal,
                                int4_encoders=int4_encoders)
     plan = make_plan(settings)
+    destination.require_space(target, _fewest_weight_bytes(prepared, settings, plan))
     report = _new_report(loaded, settings, plan)
 
     models, attached, read = {}, 0, set()
@@ -119,21 +120,40 @@ def export(
     if loaded.weights is not None:
         report.notes += weights.account(loaded.weights, attached, read, strict)
 
-    with package.staging_folder(output_dir, overwrite) as staging:
-        with stages.stage("package"):
-            sections = {}
-            for name, onnx_model in models.items():
-                session = SESSIONS[name]
-                package.save_model(onnx_model, staging, session.filename(settings))
-                sections[name] = session.genai_section(settings, [v.name for v in onnx_model.graph.inputs])
-                for filename, values in session.extra_files(settings).items():
-                    package.save_json(values, staging / filename)
-            genai_config = build_genai_config(settings.layout, profile, loaded.generation_config, sections,
-                                              settings.share_kv_buffer, settings.multimodal)
-            package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
-            package.save_tokenizer(loaded.tokenizer, staging)
-        package.save_report(report, stages, staging)
+    weight_bytes = sum(r.initializers["total_bytes"] for r in report.sessions.values())
+    destination.require_space(target, weight_bytes)
+    try:
+        with destination.staging_folder(target) as staging:
+            _write_package(staging, models, loaded, settings, report, stages)
+    except OSError as error:
+        if mapped := environment_error(error, weight_bytes):
+            raise mapped from error
+        raise
     return ExportedPackage(output_dir, report, settings.layout, plan)
+
+
+def _write_package(staging: Path, models, loaded, settings: ExportSettings, report: ExportReport,
+                   stages: StageLog) -> None:
+    with stages.stage("package"):
+        sections = {}
+        for name, onnx_model in models.items():
+            session = SESSIONS[name]
+            package.save_model(onnx_model, staging, session.filename(settings))
+            sections[name] = session.genai_section(settings, [v.name for v in onnx_model.graph.inputs])
+            for filename, values in session.extra_files(settings).items():
+                package.save_json(values, staging / filename)
+        genai_config = build_genai_config(settings.layout, settings.profile, loaded.generation_config, sections,
+                                          settings.share_kv_buffer, settings.multimodal)
+        package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
+        package.save_tokenizer(loaded.tokenizer, staging)
+    package.save_report(report, stages, staging)
+
+
+def _fewest_weight_bytes(prepared, settings: ExportSettings, plan: ExportPlan) -> int:
+    """The package's size as known before anything is traced: every saved tensor at the fewest
+    bytes per weight any planned session stores (the exact size is checked before writing)."""
+    elements = sum({id(t): t.numel() for t in prepared.model.state_dict(keep_vars=True).values()}.values())
+    return int(elements * min(settings.stored_weight_bytes(SESSIONS[s.name]) for s in plan.sessions))
 
 
 def _export_session(session, session_plan, loaded, prepared, settings: ExportSettings, report: ExportReport,
@@ -173,7 +193,7 @@ def _profile(ep: str | EpProfile) -> EpProfile:
     try:
         return ep if isinstance(ep, EpProfile) else get_profile(ep)
     except UnknownProfileError as error:
-        raise ExporterError(str(error)) from None
+        raise ExporterError(str(error)) from error
 
 
 def _new_report(loaded, settings: ExportSettings, plan: ExportPlan) -> ExportReport:

@@ -45,7 +45,7 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         raise ExporterError(
             f"{type(model).__name__} could not run with a KV cache ({_first_line(error)}); "
             "only decoder LMs with a transformers KV cache can be exported"
-        ) from None
+        ) from error
     saved_shapes = None
     if loaded.weights is not None:
         saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}

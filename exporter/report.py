@@ -67,7 +67,7 @@ class ExportReport:
     stages: list[dict[str, Any]] = field(default_factory=list)
     plan: dict[str, Any] = field(default_factory=dict)
     sessions: dict[str, SessionReport] = field(default_factory=dict)  # in package order
-    files: dict[str, int] = field(default_factory=dict)
+    files: dict[str, dict] = field(default_factory=dict)  # path -> {"bytes", "sha256"}
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -41,7 +41,7 @@ from exporter.weights import (
     SafetensorsWeights,
     UnreadTensors,
     WeightSource,
-    parameters_on_meta,
+    build_on_meta,
     tied_aliases,
 )
 
@@ -171,7 +171,7 @@ def _download(repo_id: str, weights: bool = True) -> Path:
         raise ExporterError(
             f"cannot fetch '{repo_id}' from the Hugging Face hub ({reason}); download it elsewhere and "
             "pass its folder, or use a built-in preset (`python -m exporter list`)"
-        ) from None
+        ) from error
 
 
 def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) -> LoadedModel:
@@ -188,7 +188,7 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
             if "trust_remote_code" in str(error)
             else ""
         )
-        raise ExporterError(f"cannot read {config_file}: {str(error).splitlines()[0]}{hint}") from None
+        raise ExporterError(f"cannot read {config_file}: {str(error).splitlines()[0]}{hint}") from error
     architectures = list(getattr(config, "architectures", None) or [])
     _require_causal_lm(architectures[0] if architectures else None, config)
 
@@ -221,7 +221,7 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
             dtype="float32",
         )
     except Exception as error:
-        raise ExporterError(f"cannot load the model from '{path}': {str(error).splitlines()[0]}") from None
+        raise ExporterError(f"cannot load the model from '{path}': {str(error).splitlines()[0]}") from error
     loaded = LoadedModel(model.eval(), tokenizer or _folder_tokenizer(path, options), source)
     return _multimodal_or_text(loaded, config, options, {})
 
@@ -232,7 +232,7 @@ def _folder_tokenizer(path: Path, options: LoadOptions):
     except Exception as error:
         raise ExporterError(
             f"cannot load a tokenizer from '{path}' ({str(error).splitlines()[0]}); add its tokenizer files"
-        ) from None
+        ) from error
 
 
 def _empty_model(config, options: LoadOptions) -> transformers.PreTrainedModel:
@@ -247,10 +247,10 @@ def _empty_model(config, options: LoadOptions) -> transformers.PreTrainedModel:
         text = copy.deepcopy(text)
         text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     try:
-        with parameters_on_meta():
-            model = transformers.AutoModelForCausalLM.from_config(text, trust_remote_code=options.trust_remote_code)
+        model = build_on_meta(lambda: transformers.AutoModelForCausalLM.from_config(
+            text, trust_remote_code=options.trust_remote_code))
     except Exception as error:
-        raise ExporterError(f"cannot build a {text.model_type} model from its config: {_first_line(error)}") from None
+        raise ExporterError(f"cannot build a {text.model_type} model from its config: {_first_line(error)}") from error
     return model.eval()
 
 
@@ -258,13 +258,10 @@ def _whole_model(config, options: LoadOptions) -> transformers.PreTrainedModel:
     architectures = list(getattr(config, "architectures", None) or [])
     model_class = getattr(transformers, architectures[0], None) if architectures else None
     try:
-        with parameters_on_meta():
-            if model_class is not None:
-                model = model_class(config)
-            else:
-                model = transformers.AutoModelForImageTextToText.from_config(config)
+        model = build_on_meta(lambda: model_class(config) if model_class is not None
+                              else transformers.AutoModelForImageTextToText.from_config(config))
     except Exception as error:
-        raise ExporterError(f"cannot build a {config.model_type} model from its config: {_first_line(error)}") from None
+        raise ExporterError(f"cannot build a {config.model_type} model from its config: {_first_line(error)}") from error
     return model.eval()
 
 
@@ -334,7 +331,7 @@ def _generation_config(path: Path, config):
     try:
         return transformers.GenerationConfig.from_pretrained(path)
     except Exception as error:
-        raise ExporterError(f"cannot read {path / 'generation_config.json'}: {_first_line(error)}") from None
+        raise ExporterError(f"cannot read {path / 'generation_config.json'}: {_first_line(error)}") from error
 
 
 def _shipped_config(path: Path):

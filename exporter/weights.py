@@ -4,7 +4,7 @@ each ONNX initializer its values lazily, read or drawn when the package is writt
 Gemma 4 E2B has 5.1 B parameters (20 GiB in fp32, 10 GiB in fp16); a 24 GiB machine cannot hold
 them next to the traced program and their converted copies. So for a checkpoint folder (and for
 ``--random-weights``) the model is built with its parameters on the meta device
-(``accelerate.init_empty_weights``; buffers stay real), traced with fake tensors, and after
+(``build_on_meta``: nothing allocated; buffers real, from transformers' init), traced with fake tensors, and after
 lowering every weight initializer becomes an ``onnx_ir.LazyTensor`` that reads its tensor from the
 safetensors files (only the slice a split piece needs) or draws it, at the moment ``onnx_ir.save``
 writes it. Each weight is materialised once, at the package's precision; later lazy steps
@@ -25,11 +25,10 @@ one axis).
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -92,13 +91,22 @@ class WeightSource(Protocol):
         ...
 
 
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Build models with parameters on the meta device and real buffers."""
-    from accelerate import init_empty_weights
+def build_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``build()`` run on the meta device, so no parameter is ever allocated (a 9.4 GB per-layer
+    table costs nothing), then every buffer made real and given its value by transformers' own
+    initialisation (rotary tables, scalars), with the parameters marked as initialised so that
+    they stay on meta."""
+    from transformers import initialization
 
-    with init_empty_weights(include_buffers=False):
-        yield
+    with torch.device("meta"), initialization.meta_device_safe_creation_ops():
+        model = build()
+    for name, buffer in list(model.named_buffers()):
+        owner, _, attribute = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attribute] = torch.empty_like(buffer, device="cpu")
+    for parameter in model.parameters():
+        parameter._is_hf_initialized = True
+    model.initialize_weights()
+    return model
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -162,6 +170,44 @@ class RandomWeights:
         return (torch.randn(shape, generator=generator) * self.std).to(dtype)
 
 
+def _open_safetensors(path: Path):
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise ExporterError(f"'{path}' is missing (the checkpoint's index names it); re-download or re-save the checkpoint")
+    try:
+        return safe_open(str(path), framework="pt")
+    except OSError:
+        raise  # permissions and the like: reported as what they are
+    except Exception as error:  # safetensors' own error: truncated, or not a safetensors file
+        raise ExporterError(f"'{path}' is not a readable safetensors file ({_first_line(error)}); "
+                            "re-download or re-save the checkpoint") from error
+
+
+_LAYER = re.compile(r"^(?P<stack>.*\.layers)\.(?P<index>\d+)\.")
+
+
+def _layer_counts(names) -> dict[str, int]:
+    """``'model.layers'`` -> 1 + the highest layer index under it, for every stack of layers."""
+    stacks: dict[str, int] = {}
+    for name in names:
+        if match := _LAYER.match(name):
+            stacks[match["stack"]] = max(stacks.get(match["stack"], 0), int(match["index"]) + 1)
+    return stacks
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class SafetensorsWeights:
     """A checkpoint folder's ``*.safetensors`` (sharded or not), read one tensor or slice at a time.
 
@@ -173,8 +219,6 @@ class SafetensorsWeights:
     provides_buffers = True
 
     def __init__(self, folder: Path, aliases: dict[str, list[str]]):
-        from safetensors import safe_open
-
         self.folder, self.aliases = folder, aliases
         self.description = f"weights streamed from {folder}"
         index = folder / "model.safetensors.index.json"
@@ -182,7 +226,7 @@ class SafetensorsWeights:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
-        self.handles = {name: safe_open(str(folder / name), framework="pt") for name in files}
+        self.handles = {name: _open_safetensors(folder / name) for name in files}
         self.file_of = {key: name for name, handle in self.handles.items() for key in handle.keys()}
         self.key_for: dict[str, str] = {}  # saved tensor name -> checkpoint key, once matched
         # Keys of parts of the checkpoint the export leaves out on purpose, and why.
@@ -193,6 +237,7 @@ class SafetensorsWeights:
         """Find the key of every saved tensor (``state_dict(keep_vars=True)``; meta tensors will
         do) and check its shape and dtype: a missing, misshapen or unconvertible tensor is a
         one-line error now, before anything is traced or written."""
+        self._check_layer_counts(saved)
         for name, tensor in saved.items():
             key = self.key_of(name)
             found = self.handles[self.file_of[key]].get_slice(key)
@@ -208,6 +253,21 @@ class SafetensorsWeights:
                     f"{where} is {found.get_dtype()}, which cannot become the model's {tensor.dtype} '{name}'"
                 )
         self._check_tied_copies_agree()
+
+    def _check_layer_counts(self, saved: dict[str, torch.Tensor]) -> None:
+        """A model with more layers than the checkpoint holds says so in those terms (a config that
+        omits num_hidden_layers gets transformers' default, 32 for Llama), not as a missing tensor."""
+        stored = _layer_counts(self.file_of)
+        for stack, count in _layer_counts(saved).items():
+            matches = [s for s in stored if s == stack] or [s for s in stored if s.endswith("." + stack.split(".", 1)[-1])]
+            if len(matches) != 1 or stored[matches[0]] >= count:
+                continue
+            config = _read_json(self.folder / "config.json")
+            text = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+            hint = ("; config.json does not set num_hidden_layers, so transformers took its default"
+                    if "num_hidden_layers" not in text else "")
+            raise ExporterError(f"the checkpoint in {self.folder} has {stored[matches[0]]} layers under "
+                                f"'{matches[0]}', the config {count}{hint}; is it the checkpoint of this config?")
 
     def _check_tied_copies_agree(self) -> None:
         """A tied tensor saved under two keys must hold one value: the graph reads one of them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -87,7 +88,9 @@ def test_gemma4_layout_and_report(preset_exports):
     stored = onnx.load(str(package.model_path)).graph.initializer
     assert decoder["initializers"]["count"] == len(stored)
     assert decoder["initializers"]["total_bytes"] == sum(onnx.numpy_helper.to_array(t).nbytes for t in stored)
-    assert report["files"]["model.onnx.data"] == (package.path / "model.onnx.data").stat().st_size
+    data = package.path / "model.onnx.data"
+    assert report["files"]["model.onnx.data"] == {"bytes": data.stat().st_size,
+                                                  "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
     assert "| trace |" in (package.path / "export_report.md").read_text()
 
 

@@ -1,0 +1,159 @@
+"""The output folder (``-o``): checked before any work, written as a hidden staging folder beside
+it, and swapped in at the end without deleting anything the exporter did not check.
+
+- Up front: ``-o`` is absent, or a package with ``--overwrite``; its nearest existing parent is a
+  folder this process can write in; later, once the plan knows the weights, the disk has room.
+- Staging: ``.NAME.partial-XXXX`` beside ``-o`` holds ``package/`` (what becomes ``-o``) and a lock
+  file (``fcntl.flock``) held for as long as its export runs. A staging folder of the same destination whose lock nobody holds is left over
+  from a killed export and is removed; one without the lock file was not made by this exporter
+  and is left alone.
+- Swap: the old package is moved aside, checked to be what was checked at the start (the same
+  folder, the same entries), the new one moved in, and only then the old one deleted. If ``-o``
+  changed meanwhile, nothing is replaced and the error says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporter.errors import ExporterError
+from exporter.package import GENAI_CONFIG_FILENAME
+from exporter.units import size_text
+
+LOCK_NAME = ".export.lock"
+_STAGING = ".partial-"
+_ASIDE = ".replaced-"
+
+
+@dataclass(frozen=True)
+class Destination:
+    path: Path
+    # What -o was when checked: None (absent), or its device, inode and entry names.
+    state: tuple | None
+
+
+def check_destination(output_dir: Path, overwrite: bool) -> Destination:
+    """Raises ExporterError, naming ``-o``, for a destination the export could not write to."""
+    output_dir = Path(output_dir).absolute()
+    if output_dir.exists() or output_dir.is_symlink():
+        if not output_dir.is_dir():
+            raise ExporterError(f"-o '{output_dir}' is a file; choose a folder path for -o")
+        if not overwrite:
+            raise ExporterError(f"-o '{output_dir}' exists; choose another -o or pass --overwrite")
+        # --overwrite deletes the folder: only ever one that holds a package (or nothing), so a
+        # mistyped -o cannot wipe a folder of other files.
+        if any(output_dir.iterdir()) and not (output_dir / GENAI_CONFIG_FILENAME).is_file():
+            raise ExporterError(f"-o '{output_dir}' exists and is not a package (no {GENAI_CONFIG_FILENAME}); "
+                                "--overwrite only replaces packages: choose another -o")
+    ancestor = nearest_existing(output_dir.parent)
+    if not ancestor.is_dir():
+        raise ExporterError(f"-o '{output_dir}' cannot be made: '{ancestor}' is a file; choose another -o")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ExporterError(f"-o '{output_dir}' cannot be written: '{ancestor}' is read-only or not ours "
+                            "to write in; choose another -o")
+    return Destination(output_dir, _state(output_dir))
+
+
+def require_space(destination: Destination, needed_bytes: int) -> None:
+    """Raises ExporterError if the disk under ``-o`` has less room than the package needs."""
+    ancestor = nearest_existing(destination.path.parent)
+    free = shutil.disk_usage(ancestor).free
+    if needed_bytes > free:
+        raise ExporterError(f"-o '{destination.path}' needs about {size_text(needed_bytes)} and '{ancestor}' "
+                            f"has {size_text(free)} free; free some space or choose another -o")
+
+
+def nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _state(path: Path) -> tuple | None:
+    try:
+        status = path.stat()
+        return status.st_dev, status.st_ino, tuple(sorted(os.listdir(path)))
+    except FileNotFoundError:
+        return None
+
+
+@contextlib.contextmanager
+def staging_folder(destination: Destination) -> Iterator[Path]:
+    """Yields an empty folder beside ``-o``; when the block ends without an exception it replaces
+    ``-o``. On any exception (Ctrl-C and SIGTERM included) it is removed."""
+    path = destination.path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(path)
+    # .NAME.partial-XXXX/ holds the lock and package/, the folder that becomes -o.
+    root = Path(tempfile.mkdtemp(prefix=f".{path.name}{_STAGING}", dir=path.parent))
+    lock = None
+    try:
+        lock = open(root / LOCK_NAME, "w")  # noqa: SIM115 (held until the end)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        staging = root / "package"
+        staging.mkdir(mode=0o777)  # an ordinary folder under the umask, unlike mkdtemp's private one
+        yield staging
+        _swap_in(staging, destination)
+    finally:
+        if lock is not None:
+            lock.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def remove_stale_staging(path: Path) -> list[Path]:
+    """Removes the staging folders of ``path`` left by exports that no longer run (their lock is
+    free); returns them."""
+    removed = []
+    for candidate in path.parent.glob(f".{glob_escape(path.name)}{_STAGING}*"):
+        lock_path = candidate / LOCK_NAME
+        if not candidate.is_dir() or candidate.is_symlink() or not lock_path.is_file():
+            continue  # not made by this exporter: not ours to delete
+        try:
+            with open(lock_path) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # an export still runs there
+        shutil.rmtree(candidate, ignore_errors=True)
+        removed.append(candidate)
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def _swap_in(staging: Path, destination: Destination) -> None:
+    path = destination.path
+    changed = ExporterError(f"-o '{path}' changed while the export ran (created, deleted or written to); "
+                            "it was left as it is and nothing was written: run the export again")
+    if destination.state is None:
+        try:
+            # rename fails on anything that appeared there meanwhile, except an empty folder.
+            os.rename(staging, path)
+        except OSError as error:
+            raise changed from error
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}{_ASIDE}", dir=path.parent))
+    try:
+        os.rename(path, aside)  # replaces the empty folder mkdtemp made
+    except OSError as error:
+        aside.rmdir()
+        raise changed from error
+    if _state(aside) != destination.state:
+        os.rename(aside, path)
+        raise changed
+    try:
+        os.rename(staging, path)
+    except BaseException:
+        os.rename(aside, path)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
