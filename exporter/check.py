@@ -33,7 +33,7 @@ import onnx_ir as ir
 
 from ep_profiles import EpProfile
 from exporter import postconditions
-from exporter.integrity import damaged_files, recorded_files
+from exporter.integrity import damaged_files, edited_files, is_model_file, recorded_files
 from exporter.package import GENAI_CONFIG_FILENAME, MODEL_FILENAME, REPORT_FILENAME
 from exporter.precisions import PRECISIONS
 from exporter.units import size_text
@@ -79,15 +79,19 @@ def check_package(package: Path, profile: EpProfile, against: Any = None) -> lis
     if not package.is_dir() or missing:
         return [Finding("files", False, f"'{package}' is not a package folder (no {GENAI_CONFIG_FILENAME})")]
     try:
-        context = _Context(package, profile)
-        damage = damaged_files(package, list(context.session_paths.values()))
+        # Before anything parses them: a cut model.onnx is named, not a protobuf message.
+        damage = damaged_files(package, _model_files(package))
+        context = None if damage else _Context(package, profile)
     except Exception as error:  # unreadable config or model: nothing else can be checked
         return [Finding("files", False, f"cannot read the package: {error}")]
     if damage:  # ONNX Runtime would fail later with a deserialization message
         return [Finding("files", False, "; ".join(damage))]
     loaded = ", ".join(str(path.relative_to(package)) for path in context.session_paths.values())
-    recorded = len(recorded_files(package))
-    kept = f"{recorded} files match the size and sha256 recorded at export" if recorded else "no file record to compare with"
+    recorded = sum(is_model_file(name) for name in recorded_files(package))
+    kept = (f"{recorded} graph and weights files match the size and sha256 recorded at export" if recorded
+            else "no file record to compare with")
+    if edited := edited_files(package):
+        kept += f"; edited since the export: {', '.join(edited)}"
     findings = [Finding("files", True, f"{loaded} and {GENAI_CONFIG_FILENAME} load; {kept}")]
     for check in _CHECKS:
         try:
@@ -105,6 +109,13 @@ def check_package(package: Path, profile: EpProfile, against: Any = None) -> lis
         except Exception as error:  # the comparison could not run: a failure, said in one line
             findings.append(Finding("source", False, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"))
     return findings
+
+
+def _model_files(package: Path) -> list[Path]:
+    """Each session's model file, as genai_config.json names them."""
+    model = json.loads((package / GENAI_CONFIG_FILENAME).read_text())["model"]
+    return [package / section["filename"] for name in SESSION_SECTIONS
+            if isinstance(section := model.get(name), dict) and section.get("filename")]
 
 
 def _check_domains(context: _Context) -> Iterator[Finding]:

@@ -15,6 +15,7 @@ it, and swapped in at the end without deleting anything the exporter did not che
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -41,8 +42,8 @@ class Destination:
 
 def check_destination(output_dir: Path, overwrite: bool) -> Destination:
     """Raises ExporterError, naming ``-o``, for a destination the export could not write to."""
-    output_dir = Path(output_dir).absolute()
-    if output_dir.exists() or output_dir.is_symlink():
+    output_dir = Path(output_dir).resolve()  # a link to a folder: the folder is what is replaced
+    if output_dir.exists():
         if not output_dir.is_dir():
             raise ExporterError(f"-o '{output_dir}' is a file; choose a folder path for -o")
         if not overwrite:
@@ -52,12 +53,17 @@ def check_destination(output_dir: Path, overwrite: bool) -> Destination:
         if any(output_dir.iterdir()) and not (output_dir / GENAI_CONFIG_FILENAME).is_file():
             raise ExporterError(f"-o '{output_dir}' exists and is not a package (no {GENAI_CONFIG_FILENAME}); "
                                 "--overwrite only replaces packages: choose another -o")
+        if not os.access(output_dir, os.W_OK | os.X_OK):
+            raise ExporterError(f"-o '{output_dir}' cannot be replaced: it is read-only, immutable or not ours; "
+                                "choose another -o")
     ancestor = nearest_existing(output_dir.parent)
     if not ancestor.is_dir():
         raise ExporterError(f"-o '{output_dir}' cannot be made: '{ancestor}' is a file; choose another -o")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ExporterError(f"-o '{output_dir}' cannot be written: '{ancestor}' is read-only or not ours "
                             "to write in; choose another -o")
+    if ancestor == output_dir.parent:
+        remove_stale_staging(output_dir)  # before the space checks: a killed export's folder is room
     return Destination(output_dir, _state(output_dir))
 
 
@@ -77,11 +83,19 @@ def nearest_existing(path: Path) -> Path:
 
 
 def _state(path: Path) -> tuple | None:
+    """What is at ``path``: None, or its inode and every entry below it with inode, size and
+    modification time, so that a file added, removed or written anywhere in it shows."""
     try:
-        status = path.stat()
-        return status.st_dev, status.st_ino, tuple(sorted(os.listdir(path)))
+        status = path.lstat()
     except FileNotFoundError:
         return None
+    entries = []
+    for folder, folders, files in os.walk(path):
+        for name in folders + files:
+            entry = Path(folder, name)
+            info = entry.lstat()
+            entries.append((entry.relative_to(path).as_posix(), info.st_ino, info.st_size, info.st_mtime_ns))
+    return status.st_dev, status.st_ino, tuple(sorted(entries))
 
 
 @contextlib.contextmanager
@@ -93,17 +107,19 @@ def staging_folder(destination: Destination) -> Iterator[Path]:
     remove_stale_staging(path)
     # .NAME.partial-XXXX/ holds the lock and package/, the folder that becomes -o.
     root = Path(tempfile.mkdtemp(prefix=f".{path.name}{_STAGING}", dir=path.parent))
-    lock = None
+    staging, lock = root / "package", None
     try:
-        lock = open(root / LOCK_NAME, "w")  # noqa: SIM115 (held until the end)
+        # Locked under another name, then renamed: another export never sees an unlocked lock file.
+        lock = open(root / f"{LOCK_NAME}.new", "w")  # noqa: SIM115 (held until the end)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
-        staging = root / "package"
+        os.rename(root / f"{LOCK_NAME}.new", root / LOCK_NAME)
         staging.mkdir(mode=0o777)  # an ordinary folder under the umask, unlike mkdtemp's private one
         yield staging
         _swap_in(staging, destination)
     finally:
+        shutil.rmtree(staging, ignore_errors=True)  # the package first: the lock marks the folder as ours
         if lock is not None:
             lock.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -131,6 +147,10 @@ def glob_escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
+# rename's answers when something else now stands at -o.
+_TAKEN = {errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR, errno.ENOENT}
+
+
 def _swap_in(staging: Path, destination: Destination) -> None:
     path = destination.path
     changed = ExporterError(f"-o '{path}' changed while the export ran (created, deleted or written to); "
@@ -140,15 +160,19 @@ def _swap_in(staging: Path, destination: Destination) -> None:
             # rename fails on anything that appeared there meanwhile, except an empty folder.
             os.rename(staging, path)
         except OSError as error:
-            raise changed from error
+            if error.errno in _TAKEN:
+                raise changed from error
+            raise
         return
     aside = Path(tempfile.mkdtemp(prefix=f".{path.name}{_ASIDE}", dir=path.parent))
     try:
         os.rename(path, aside)  # replaces the empty folder mkdtemp made
     except OSError as error:
         aside.rmdir()
-        raise changed from error
-    if _state(aside) != destination.state:
+        if error.errno in _TAKEN:
+            raise changed from error
+        raise
+    if _state(aside)[1:] != destination.state[1:]:
         os.rename(aside, path)
         raise changed
     try:

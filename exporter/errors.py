@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import errno
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -22,24 +24,37 @@ _ENVIRONMENT = {
 }
 
 
-def environment_error(error: OSError, needed_bytes: int | None = None) -> ExporterError | None:
-    """The one-line error for an OSError the machine causes (not a bug), or None for others."""
+def environment_error(error: OSError, needed_bytes: int | None = None,
+                      where: Path | None = None) -> ExporterError | None:
+    """The one-line error for an OSError the machine causes (not a bug), or None for others;
+    ``where``: the path to name when the error names none (a write into the package)."""
     from exporter.units import size_text
 
     reason = _ENVIRONMENT.get(error.errno)
     if reason is None:
         return None
-    path = error.filename or "?"
+    path = error.filename or where or "?"
     text = f"cannot write or read '{path}': {reason}"
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         existing = Path(path)
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
-        free = shutil.disk_usage(existing).free if existing.exists() else None
-        needed = f" the package needs about {size_text(needed_bytes)};" if needed_bytes else ""
-        text += f" ({needed} {size_text(free)} free there); free some space or choose another -o" if free is not None else ""
+        facts = [f"the package needs about {size_text(needed_bytes)}"] if needed_bytes else []
+        if existing.exists():
+            facts.append(f"{size_text(shutil.disk_usage(existing).free)} free there")
+        text += (f" ({'; '.join(facts)})" if facts else "") + "; free some space or choose another -o"
     elif error.errno == errno.EEXIST:
         text += "; remove it or choose another -o"
     else:
         text += "; fix its permissions or choose another -o"
     return ExporterError(text)
+
+
+def os_error_in(error: Exception, path: Path) -> OSError | None:
+    """The OSError behind a library's plain Exception ("... (os error 28)", as Rust code such as
+    the tokenizers library says it), or None."""
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    if found is None:
+        return None
+    number = int(found.group(1))
+    return OSError(number, os.strerror(number), str(path))

@@ -13,11 +13,26 @@ from exporter.package import REPORT_FILENAME, file_record
 from exporter.units import size_text
 
 
+def is_model_file(name: str) -> bool:
+    """Graphs and weights: what no one edits by hand (genai_config.json and the processor and
+    tokenizer files are meant to be tuned, so a change there is no damage)."""
+    return name.endswith((".onnx", ".onnx.data"))
+
+
+def edited_files(package: Path) -> list[str]:
+    """The other recorded files whose bytes changed since the export (a user's edit)."""
+    return [name for name, recorded in recorded_files(package).items()
+            if not is_model_file(name) and (package / name).is_file()
+            and file_record(package / name)["sha256"] != recorded["sha256"]]
+
+
 def damaged_files(package: Path, model_files: list[Path]) -> list[str]:
-    """One line per damaged file: missing, cut or changed since the export recorded it, or too
-    short for the tensors a model file places in it."""
+    """One line per damaged graph or weights file: missing, cut or changed since the export
+    recorded it, or too short for the tensors a model file places in it."""
     problems = []
     for name, recorded in recorded_files(package).items():
+        if not is_model_file(name):
+            continue
         path = package / name
         if not path.is_file():
             problems.append(f"{name} is missing")
@@ -27,6 +42,8 @@ def damaged_files(package: Path, model_files: list[Path]) -> list[str]:
             problems.append(f"{name} is damaged: {size_text(size)} on disk, {size_text(recorded['bytes'])} when exported")
         elif file_record(path)["sha256"] != recorded["sha256"]:
             problems.append(f"{name} is damaged: its sha256 differs from the one recorded at export")
+    if problems:
+        return problems  # a damaged model file may not even parse
     for model_file in model_files:
         problems += _external_data_overruns(package, model_file)
     return problems
@@ -41,7 +58,10 @@ def recorded_files(package: Path) -> dict[str, dict]:
 
 
 def _external_data_overruns(package: Path, model_file: Path) -> list[str]:
-    graph = onnx.load(str(model_file), load_external_data=False).graph
+    try:
+        graph = onnx.load(str(model_file), load_external_data=False).graph
+    except Exception as error:  # no record to compare with, and it does not parse
+        return [f"{model_file.relative_to(package).as_posix()} is damaged: it does not parse ({type(error).__name__})"]
     ends: dict[str, int] = {}
     for tensor in graph.initializer:
         if tensor.data_location != onnx.TensorProto.EXTERNAL:

@@ -14,7 +14,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from exporter.errors import ExporterError
+from exporter.errors import ExporterError, os_error_in
 
 MODEL_FILENAME = "model.onnx"
 DATA_FILENAME = "model.onnx.data"
@@ -49,7 +49,14 @@ def save_tokenizer(tokenizer: Any, folder: Path) -> list[str]:
             )
     with tempfile.TemporaryDirectory(dir=folder) as scratch_name:
         scratch = Path(scratch_name)
-        tokenizer.save_pretrained(str(scratch))
+        try:
+            tokenizer.save_pretrained(str(scratch))
+        except OSError:
+            raise
+        except Exception as error:  # the Rust tokenizer's I/O errors are plain Exceptions
+            if (os_error := os_error_in(error, folder)) is not None:
+                raise os_error from error
+            raise
         saved = []
         for path in sorted(scratch.iterdir()):
             if path.is_file() and not path.is_symlink() and _is_plain_file_name(path.name):

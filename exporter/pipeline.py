@@ -126,7 +126,7 @@ def export(
         with destination.staging_folder(target) as staging:
             _write_package(staging, models, loaded, settings, report, stages)
     except OSError as error:
-        if mapped := environment_error(error, weight_bytes):
+        if mapped := environment_error(error, weight_bytes, where=target.path):
             raise mapped from error
         raise
     return ExportedPackage(output_dir, report, settings.layout, plan)

@@ -175,6 +175,8 @@ def _open_safetensors(path: Path):
 
     if not path.is_file():
         raise ExporterError(f"'{path}' is missing (the checkpoint's index names it); re-download or re-save the checkpoint")
+    with open(path, "rb"):
+        pass  # safetensors says "No such file" for any failure to open: let a permission error be one
     try:
         return safe_open(str(path), framework="pt")
     except OSError:
@@ -223,7 +225,11 @@ class SafetensorsWeights:
         self.description = f"weights streamed from {folder}"
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
+                raise ExporterError(f"'{index}' is not a safetensors index ({_first_line(error)}); "
+                                    "re-download or re-save the checkpoint") from error
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
         self.handles = {name: _open_safetensors(folder / name) for name in files}
@@ -255,12 +261,13 @@ class SafetensorsWeights:
         self._check_tied_copies_agree()
 
     def _check_layer_counts(self, saved: dict[str, torch.Tensor]) -> None:
-        """A model with more layers than the checkpoint holds says so in those terms (a config that
-        omits num_hidden_layers gets transformers' default, 32 for Llama), not as a missing tensor."""
+        """A config and checkpoint with different numbers of layers say so in those terms: more in
+        the config would fail on a missing tensor (a config that omits num_hidden_layers gets
+        transformers' default, 32 for Llama), fewer would export part of the model."""
         stored = _layer_counts(self.file_of)
         for stack, count in _layer_counts(saved).items():
             matches = [s for s in stored if s == stack] or [s for s in stored if s.endswith("." + stack.split(".", 1)[-1])]
-            if len(matches) != 1 or stored[matches[0]] >= count:
+            if len(matches) != 1 or stored[matches[0]] == count:
                 continue
             config = _read_json(self.folder / "config.json")
             text = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config

@@ -126,6 +126,26 @@ def test_a_config_with_more_layers_than_the_checkpoint_says_so(checkpoint, tmp_p
                            "config.json does not set num_hidden_layers")
 
 
+def test_a_config_with_fewer_layers_than_the_checkpoint_says_so(checkpoint, tmp_path, capsys):
+    folder = _copy(checkpoint, tmp_path / "bad")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    (folder / "config.json").write_text(json.dumps(config))
+    code, lines = _run_cli([folder, "-o", tmp_path / "out"], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, "has 4 layers under 'model.layers', the config 2")
+    assert not (tmp_path / "out").exists() and _left_beside(tmp_path) == []
+
+
+def test_a_corrupt_safetensors_index_is_refused(checkpoint, tmp_path, capsys):
+    folder = _copy(checkpoint, tmp_path / "bad")
+    (folder / "model.safetensors.index.json").write_text("{not json")
+    code, lines = _run_cli([folder, "-o", tmp_path / "out"], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, "model.safetensors.index.json' is not a safetensors index")
+    assert not (tmp_path / "out").exists() and _left_beside(tmp_path) == []
+
+
 def test_a_truncated_checkpoint_is_refused_and_debug_shows_the_cause(checkpoint, tmp_path, capsys):
     folder = _copy(checkpoint, tmp_path / "cut")
     data = (folder / "model.safetensors").read_bytes()
@@ -146,10 +166,20 @@ def test_report_records_size_and_sha256_and_check_finds_a_cut_file(exported, tmp
     data = damaged / "model.onnx.data"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     (files,) = [f for f in check_package(damaged, _cpu()) if f.check == "files"]
-    assert not files.passed and files.detail.startswith("model.onnx.data is damaged:")
-    assert "when exported" in files.detail and "its tensors reach" in files.detail
-    code, lines = _run_cli(["check", damaged], capsys)
+    assert not files.passed and files.detail.startswith("model.onnx.data is damaged:") and "when exported" in files.detail
+    code, _ = _run_cli(["check", damaged], capsys)
     assert code == 1
+    (damaged / "export_report.json").unlink()  # no record: the tensors' extents still show it
+    (files,) = [f for f in check_package(damaged, _cpu()) if f.check == "files"]
+    assert not files.passed and "its tensors reach" in files.detail
+
+
+def test_check_names_a_cut_model_file(exported, tmp_path):
+    damaged = shutil.copytree(exported, tmp_path / "cut_graph")
+    graph = damaged / "model.onnx"
+    graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
+    (files,) = [f for f in check_package(damaged, _cpu()) if f.check == "files"]
+    assert not files.passed and files.detail.startswith("model.onnx is damaged:")
 
 
 def test_check_finds_a_changed_byte(exported, tmp_path):
@@ -160,7 +190,18 @@ def test_check_finds_a_changed_byte(exported, tmp_path):
     (files,) = [f for f in check_package(damaged, _cpu()) if f.check == "files"]
     assert not files.passed and files.detail == "model.onnx.data is damaged: its sha256 differs from the one recorded at export"
     (intact,) = [f for f in check_package(exported, _cpu()) if f.check == "files"]
-    assert intact.passed and "files match the size and sha256 recorded at export" in intact.detail
+    assert intact.passed and "2 graph and weights files match the size and sha256 recorded at export" in intact.detail
+
+
+def test_an_edited_genai_config_is_no_damage(exported, tmp_path):
+    """genai_config.json is meant to be tuned (search options): check names the edit and goes on."""
+    edited = shutil.copytree(exported, tmp_path / "edited")
+    config = json.loads((edited / "genai_config.json").read_text())
+    config["search"]["max_length"] = 64
+    (edited / "genai_config.json").write_text(json.dumps(config))
+    findings = {f.check: f for f in check_package(edited, _cpu())}
+    assert findings["files"].passed and findings["files"].detail.endswith("edited since the export: genai_config.json")
+    assert findings["genai_config"].passed
 
 
 def _cpu():
@@ -238,6 +279,33 @@ def test_a_file_created_in_a_package_being_overwritten_is_kept(exported, checkpo
     _assert_one_line_error(lines, "changed while the export ran")
     assert sorted(p.name for p in out.iterdir()) == sorted([*before, "mine.txt"])
     assert _left_beside(tmp_path) == []
+
+
+def test_a_file_written_deep_in_a_package_being_overwritten_is_kept(exported, checkpoint, tmp_path, capsys, monkeypatch):
+    out = shutil.copytree(exported, tmp_path / "out")
+
+    def edit():
+        (out / "genai_config.json").write_text((out / "genai_config.json").read_text() + " ")
+        (out / "sub").mkdir()
+        (out / "sub" / "mine.txt").write_text("user data")
+
+    _during_write(monkeypatch, edit)
+    code, lines = _run_cli([checkpoint, "-o", out, "--overwrite"], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, "changed while the export ran")
+    assert (out / "sub" / "mine.txt").read_text() == "user data"
+    assert (out / "genai_config.json").read_text().endswith(" ")
+    assert _left_beside(tmp_path) == []
+
+
+def test_a_linked_destination_replaces_the_package_it_points_to(exported, checkpoint, tmp_path, capsys):
+    real = shutil.copytree(exported, tmp_path / "real")
+    (real / "model.onnx.data").write_bytes(b"old")
+    (tmp_path / "link").symlink_to(real)
+    code, _ = _run_cli([checkpoint, "-o", tmp_path / "link", "--overwrite"], capsys)
+    assert code == 0
+    assert (tmp_path / "link").is_symlink()
+    assert (real / "model.onnx.data").read_bytes() == (exported / "model.onnx.data").read_bytes()
 
 
 def test_overwrite_replaces_an_unchanged_package(exported, checkpoint, tmp_path, capsys):
@@ -319,6 +387,30 @@ def test_environment_errors_while_writing_are_one_line_exit_2(checkpoint, tmp_pa
     assert "please report" not in message
     if number == errno.ENOSPC:
         assert "the package needs about" in message and "free there" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_without_a_path_names_the_destination(checkpoint, tmp_path, capsys, monkeypatch):
+    def failing_save(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what a short write raises
+
+    monkeypatch.setattr(package, "save_model", failing_save)
+    code, lines = _run_cli([checkpoint, "-o", tmp_path / "out"], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, f"'{tmp_path / 'out'}': the disk is full", "free there")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_the_tokenizer_writes_is_said_as_such(checkpoint, tmp_path, capsys, monkeypatch):
+    import transformers
+
+    def failing_save(self, *args, **kwargs):
+        raise Exception("No space left on device (os error 28)")  # the Rust tokenizer's words
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "save_pretrained", failing_save)
+    code, lines = _run_cli([checkpoint, "-o", tmp_path / "out"], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, "the disk is full")
     assert list(tmp_path.iterdir()) == []
 
 
