@@ -98,6 +98,13 @@ def _replace_tensor(folder: Path, key: str, array: np.ndarray, dtype: str = "F32
     _write_safetensors(path, tensors, b"".join(chunks))
 
 
+def _add_tensor(folder: Path, key: str, array: np.ndarray) -> None:
+    path = folder / "model.safetensors"
+    header, data = _read_safetensors(path)
+    header[key] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [len(data), len(data) + array.nbytes]}
+    _write_safetensors(path, header, data + array.astype(np.float32).tobytes())
+
+
 # -- 1. a tensor the config does not fit ------------------------------------------------------
 
 @pytest.mark.parametrize("key, array, dtype, expected", [
@@ -472,8 +479,10 @@ def _mutations(checkpoint: Path, seed: int = 0):
         yield f"{key} as I32", lambda f, k=str(key): edit_header(f, lambda h: h[k].update(dtype="I32"))
         yield f"{key} as F16", lambda f, k=str(key): edit_header(f, lambda h: h[k].update(dtype="F16"))
         yield f"{key} missing", lambda f, k=str(key): drop_tensor(f, k)
-    yield "extra tensors", lambda f: _replace_tensor(f, "extra.unused.weight", np.ones((3, 5), np.float32))
-    yield "extra tensor under a model-like name", lambda f: _replace_tensor(f, "model.layers.9.mlp.up_proj.weight", np.ones((8, 8), np.float32))
+    yield "extra tensor", lambda f: _add_tensor(f, "extra.unused.weight", np.ones((3, 5), np.float32))
+    yield "extra tensor under a model-like name", lambda f: _add_tensor(f, "model.norm.bias", np.ones((8,), np.float32))
+    # A layer the config does not have: the config and checkpoint disagree, an error.
+    yield "extra layer", lambda f: _add_tensor(f, "model.layers.9.mlp.up_proj.weight", np.ones((8, 8), np.float32))
 
 
 def test_no_mutation_of_a_checkpoint_gives_a_different_package(checkpoint, exported, tmp_path, capsys):
@@ -488,7 +497,9 @@ def test_no_mutation_of_a_checkpoint_gives_a_different_package(checkpoint, expor
         code, lines = _run_cli([folder, "-o", work / "out"], capsys)
         outcomes[name] = code
         if code == 0:
-            assert name.startswith("extra"), f"{name}: exported although the checkpoint was damaged"
+            assert name in ("extra tensor", "extra tensor under a model-like name"), f"{name}: exported although damaged"
+            notes = " ".join(json.loads((work / "out" / "export_report.json").read_text())["notes"])
+            assert "not read" in notes and ("extra.unused.weight" in notes or "model.norm.bias" in notes), notes
             for file in ("model.onnx", "model.onnx.data", "genai_config.json"):
                 assert (work / "out" / file).read_bytes() == (exported / file).read_bytes(), f"{name}: {file} differs"
         else:
@@ -496,7 +507,7 @@ def test_no_mutation_of_a_checkpoint_gives_a_different_package(checkpoint, expor
             _assert_one_line_error(lines)
             assert not (work / "out").exists() and _left_beside(work) == [], name
     assert sum(code == 0 for code in outcomes.values()) == 2, outcomes
-    assert len(outcomes) >= 24
+    assert len(outcomes) >= 26
 
 
 # -- 7. "empty" weights allocate nothing ------------------------------------------------------
