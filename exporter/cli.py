@@ -32,11 +32,11 @@ _STAGE_TITLES = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m exporter",
+        prog=program(),
         description="Export a Hugging Face decoder LM to an ONNX Runtime GenAI package.",
-        epilog="Other commands: `python -m exporter list` shows presets, aliases and EPs; "
-        "`python -m exporter plan MODEL --ep EP [--json]` prints the passes an export would run; "
-        "`python -m exporter check PACKAGE --ep EP [--against SOURCE] [--json]` checks a package.",
+        epilog=f"Other commands (each with its own --help): `{program()} list` shows presets, aliases and EPs; "
+        f"`{program()} plan MODEL --ep EP [--json]` prints the passes an export would run; "
+        f"`{program()} check PACKAGE --ep EP [--against SOURCE] [--json]` checks a package.",
     )
     parser.add_argument(
         "model",
@@ -126,7 +126,13 @@ class _Progress:
         print(f"{prefix}{line:<70}", file=self.stream, flush=True)
 
 
-def _list() -> int:
+def program() -> str:
+    """The name users typed: the console script, or ``python -m exporter``."""
+    return "genai-exporter" if Path(sys.argv[0]).name == "genai-exporter" else "python -m exporter"
+
+
+def _list(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog=f"{program()} list", description="List presets, aliases and EP profiles.").parse_args(argv)
     print("Models (presets work offline):")
     for name, description in describe_sources():
         print(f"  {name:<20} {description}")
@@ -142,7 +148,7 @@ def _check(argv: list[str]) -> int:
     from exporter.check import check_package, findings_to_json, format_findings
 
     parser = argparse.ArgumentParser(
-        prog="python -m exporter check",
+        prog=f"{program()} check",
         description="Check a package against an EP profile; exits 1 if any check fails.",
     )
     parser.add_argument("package", type=Path, help="package folder (with genai_config.json)")
@@ -172,7 +178,7 @@ def _plan(argv: list[str]) -> int:
     from exporter.prepare import prepare
     from exporter.sources import LoadOptions, load
 
-    parser = argparse.ArgumentParser(prog="python -m exporter plan",
+    parser = argparse.ArgumentParser(prog=f"{program()} plan",
                                      description="Print the passes an export would run, without exporting.")
     parser.add_argument("model", nargs="?", default=DEFAULT_PRESET, help="as for an export")
     parser.add_argument("--ep", default="cpu", metavar="EP", help="EP profile (default: cpu)")
@@ -210,7 +216,8 @@ def _int4_options(args, profile, precision: str) -> Int4Options | None:
                                       ("--int4-accuracy-level", args.int4_accuracy_level)) if value is not None]
     if precision != "int4":
         if given:
-            raise ExporterError(f"{', '.join(given)} apply to --precision int4, not {precision}")
+            raise ExporterError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --precision int4, "
+                                f"not {precision}")
         return None
     try:
         return Int4Options(
@@ -225,7 +232,7 @@ def _int4_options(args, profile, precision: str) -> Int4Options | None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["list"]:
-        return _list()
+        return _list(argv[1:])
     if argv[:1] == ["check"]:
         return _check(argv[1:])
     if argv[:1] == ["plan"]:

@@ -57,11 +57,8 @@ def choose_precision(profile: EpProfile, asked: str | None) -> str:
     if asked is None:
         return profile.default_precision
     if asked not in profile.precisions:
-        known = "known" if asked in PRECISIONS else "unknown"
-        raise ExporterError(
-            f"precision '{asked}' ({known}) is not supported for EP '{profile.name}'; use one of: "
-            + ", ".join(profile.precisions)
-        )
+        what = f"EP '{profile.name}' does not run precision '{asked}'" if asked in PRECISIONS else f"unknown precision '{asked}'"
+        raise ExporterError(f"{what}; use one of: " + ", ".join(profile.precisions))
     return asked
 
 

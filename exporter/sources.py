@@ -13,6 +13,7 @@ for aliases whose config ships with the exporter (``configs/``), nothing is down
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,9 +112,11 @@ def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions(
         repo_id = ALIASES.get(name, name)
         folder = _download(repo_id, weights=not options.random_weights)
         return _from_folder(folder, tokenizer, options, f"hub {repo_id}")
+    close = difflib.get_close_matches(name, [*PRESETS, *ALIASES], n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
     raise ExporterError(
         f"unknown model '{name}': not a preset, alias, folder or hub id (owner/name); "
-        "run `python -m exporter list` for presets and aliases"
+        f"{hint}run `python -m exporter list` for presets and aliases"
     )
 
 

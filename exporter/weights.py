@@ -222,7 +222,7 @@ class SafetensorsWeights:
 
     def __init__(self, folder: Path, aliases: dict[str, list[str]]):
         self.folder, self.aliases = folder, aliases
-        self.description = f"weights streamed from {folder}"
+        self.description = f"the checkpoint in {folder}"
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -452,5 +452,5 @@ def account(source: WeightSource, attached: int, read: set[str], strict: bool) -
     unread = source.unread(read)
     if strict and unread.unexplained:
         raise ExporterError(f"--strict: {unread.notes()[0]}")
-    return [f"{attached} weight tensors written from {source.description} one at a time, never all in memory",
+    return [f"{attached} weight tensors written one at a time (never all in memory) from {source.description}",
             *unread.notes()]

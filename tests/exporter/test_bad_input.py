@@ -32,6 +32,20 @@ def test_unknown_name(tmp_path, capsys):
     _assert_nothing_written(tmp_path, "out")
 
 
+def test_a_near_miss_gets_a_suggestion(tmp_path, capsys):
+    code, message = _run_cli(["tiny-lama", "-o", str(tmp_path / "out")], capsys)
+    assert code == 2 and "did you mean 'tiny-llama'?" in message
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_every_subcommand_has_its_own_help(capsys):
+    for command in ("list", "plan", "check"):
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--help"])
+        assert exited.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: python -m exporter {command}")
+
+
 def test_missing_path(tmp_path, capsys):
     code, message = _run_cli([str(tmp_path / "missing" / "model"), "-o", str(tmp_path / "out")], capsys)
     assert code == 2 and "does not exist" in message
@@ -73,19 +87,19 @@ def test_overwrite_refuses_a_folder_that_is_not_a_package(tmp_path, capsys):
 
 def test_unsupported_ep_and_precision(tmp_path, capsys):
     code, message = _run_cli(["tiny-llama", "--ep", "webgpu", "--precision", "bf16", "-o", str(tmp_path / "a")], capsys)
-    assert code == 2 and "precision 'bf16' (known) is not supported for EP 'webgpu'" in message and "fp16" in message
+    assert code == 2 and "EP 'webgpu' does not run precision 'bf16'" in message and "fp16" in message
     code, message = _run_cli(["tiny-llama", "--ep", "tpu", "-o", str(tmp_path / "b")], capsys)
     assert code == 2 and "unknown EP 'tpu'" in message and "webgpu" in message
     with pytest.raises(SystemExit) as exited:
         main(["tiny-llama", "--precision", "int8", "-o", str(tmp_path / "c")])
     assert exited.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
     code, message = _run_cli(["tiny-llama", "--int4-block-size", "64", "-o", str(tmp_path / "e")], capsys)
-    assert code == 2 and "--int4-block-size apply to --precision int4, not fp32" in message
+    assert code == 2 and "--int4-block-size applies to --precision int4, not fp32" in message
     code, message = _run_cli(["tiny-llama", "--precision", "int4", "--int4-block-size", "24", "-o",
                               str(tmp_path / "f")], capsys)
     assert code == 2 and "power of two" in message
     code, message = _run_cli(["tiny-llama", "--ep", "cpu", "--precision", "bf16", "-o", str(tmp_path / "d")], capsys)
-    assert code == 2 and "precision 'bf16' (known) is not supported for EP 'cpu'" in message
+    assert code == 2 and "EP 'cpu' does not run precision 'bf16'" in message
     assert list(tmp_path.iterdir()) == []
 
 
