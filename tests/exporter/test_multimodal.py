@@ -42,11 +42,12 @@ pytestmark = pytest.mark.xdist_group("multimodal")
 PRESET = "tiny-gemma-4-multimodal"
 NEW_TOKENS = 16
 LOGITS_TOLERANCE = 1e-4
-CASES = {  # prompt, image?, audio?
-    "text": ("Alice was beginning to get very tired", False, False),
-    "image": ("<|image|> What is in the picture?", True, False),
-    "audio": ("<|audio|> What is said?", False, True),
-    "image_audio": ("<|image|><|audio|> Describe both.", True, True),
+CASES = {  # prompt, images (how many), audio?
+    "text": ("Alice was beginning to get very tired", 0, False),
+    "image": ("<|image|> What is in the picture?", 1, False),
+    "audio": ("<|audio|> What is said?", 0, True),
+    "image_audio": ("<|image|><|audio|> Describe both.", 1, True),
+    "two_images": ("<|image|> or <|image|>: which is darker?", 2, False),
 }
 
 
@@ -78,16 +79,19 @@ def media(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("media")
     return {"image": write_png(folder / "image.png", gradient_image()),
             "other_image": write_png(folder / "other.png", 255 - gradient_image(seed=1)),
+            "tall_image": write_png(folder / "tall.png", gradient_image(200, 90, seed=2)),
             "audio": write_wav(folder / "audio.wav", tone())}
 
 
-def genai_run(package_path: Path, prompt: str, image: Path | None, audio: Path | None, on_cpu: bool = True):
+def genai_run(package_path: Path, prompt: str, image: Path | list[Path] | None, audio: Path | None,
+              on_cpu: bool = True):
     """GenAI's processor and greedy generation: (the processor's tensors, prefill logits, new tokens)."""
     import onnxruntime_genai as og
 
+    images = [image] if isinstance(image, Path) else list(image or [])
     model = og.Model(genai_config(package_path, on_cpu))
     processor = model.create_multimodal_processor()
-    inputs = processor(prompt, images=og.Images.open(str(image)) if image else None,
+    inputs = processor(prompt, images=og.Images.open(*map(str, images)) if images else None,
                        audios=og.Audios.open(str(audio)) if audio else None)
     tensors = {name: inputs[name].as_numpy() for name in ("input_ids", "pixel_values", "pixel_position_ids",
                                                           "audio_embeds") if _has(inputs, name)}
@@ -231,13 +235,33 @@ def test_a_package_without_audio_keeps_an_empty_speech_section():
 @pytest.mark.l4
 @pytest.mark.parametrize("case", list(CASES))
 def test_genai_matches_transformers(package, reference, media, case):
-    prompt, with_image, with_audio = CASES[case]
-    tensors, prefill, tokens = genai_run(package.path, prompt, media["image"] if with_image else None,
+    prompt, images, with_audio = CASES[case]
+    tensors, prefill, tokens = genai_run(package.path, prompt, [media["image"], media["tall_image"]][:images],
                                          media["audio"] if with_audio else None)
-    assert ("pixel_values" in tensors) == with_image and ("audio_embeds" in tensors) == with_audio
+    assert ("pixel_values" in tensors) == bool(images) and ("audio_embeds" in tensors) == with_audio
+    if images > 1:  # one row of patches per image (GenAI's processor resizes both to as many patches)
+        assert tensors["pixel_values"].shape[0] == images
     expected_logits, expected_tokens = transformers_run(reference, tensors)
     assert np.abs(prefill - expected_logits).max() < LOGITS_TOLERANCE
     assert tokens == expected_tokens
+
+
+@pytest.mark.l3
+def test_vision_ignores_padding_patches(package, media):
+    """Patches at position (-1, -1) (what a batch of images of different sizes is padded with)
+    change no image feature."""
+    import onnxruntime as ort
+
+    tensors, _, _ = genai_run(package.path, CASES["image"][0], media["image"], None)
+    session = ort.InferenceSession(str(package.session_path("vision")), providers=["CPUExecutionProvider"])
+    pixels, positions = tensors["pixel_values"], tensors["pixel_position_ids"]
+    padding = 27
+    padded_pixels = np.concatenate([pixels, np.full((1, padding, pixels.shape[-1]), 0.5, np.float32)], axis=1)
+    padded_positions = np.concatenate([positions, np.full((1, padding, 2), -1, positions.dtype)], axis=1)
+    plain = session.run(None, {"pixel_values": pixels, "pixel_position_ids": positions})[0]
+    padded = session.run(None, {"pixel_values": padded_pixels, "pixel_position_ids": padded_positions})[0]
+    assert padded.shape == plain.shape
+    np.testing.assert_allclose(padded, plain, atol=1e-5)
 
 
 @pytest.mark.l4
