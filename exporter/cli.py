@@ -88,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 class _Progress:
     """One line per stage on stderr; on a terminal the line counts seconds while the stage runs."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.live = stream.isatty()
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr  # looked up now: sys.stderr may have been replaced since import
+        self.live = self.stream.isatty()
         self._ticker: threading.Thread | None = None
         self._stop = threading.Event()
 
