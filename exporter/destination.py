@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import os
 import shutil
 import tempfile
@@ -129,7 +130,7 @@ def remove_stale_staging(path: Path) -> list[Path]:
     """Removes the staging folders of ``path`` left by exports that no longer run (their lock is
     free); returns them."""
     removed = []
-    for candidate in path.parent.glob(f".{glob_escape(path.name)}{_STAGING}*"):
+    for candidate in path.parent.glob(f".{glob.escape(path.name)}{_STAGING}*"):
         lock_path = candidate / LOCK_NAME
         if not candidate.is_dir() or candidate.is_symlink() or not lock_path.is_file():
             continue  # not made by this exporter: not ours to delete
@@ -141,10 +142,6 @@ def remove_stale_staging(path: Path) -> list[Path]:
         shutil.rmtree(candidate, ignore_errors=True)
         removed.append(candidate)
     return removed
-
-
-def glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
 # rename's answers when something else now stands at -o.

@@ -36,9 +36,9 @@ def environment_error(error: OSError, needed_bytes: int | None = None,
     path = error.filename or where or "?"
     text = f"cannot write or read '{path}': {reason}"
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        existing = Path(path)
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+        from exporter.destination import nearest_existing
+
+        existing = nearest_existing(Path(path))
         facts = [f"the package needs about {size_text(needed_bytes)}"] if needed_bytes else []
         if existing.exists():
             facts.append(f"{size_text(shutil.disk_usage(existing).free)} free there")
