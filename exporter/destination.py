@@ -7,9 +7,11 @@ it, and swapped in at the end without deleting anything the exporter did not che
   file (``fcntl.flock``) held for as long as its export runs. A staging folder of the same destination whose lock nobody holds is left over
   from a killed export and is removed; one without the lock file was not made by this exporter
   and is left alone.
-- Swap: the old package is moved aside, checked to be what was checked at the start (the same
-  folder, the same entries), the new one moved in, and only then the old one deleted. If ``-o``
-  changed meanwhile, nothing is replaced and the error says so.
+- Swap: the old package is moved aside into the staging folder (``previous/``, under the same
+  lock), checked to be what was checked at the start (the same folder, the same entries), the new
+  one moved in, and only then the old one deleted. If ``-o`` changed meanwhile, nothing is
+  replaced and the error says so. An export killed between the two moves leaves the old package
+  in ``previous/`` with ``-o`` absent: the next export of that destination moves it back.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from exporter.units import size_text
 
 LOCK_NAME = ".export.lock"
 _STAGING = ".partial-"
-_ASIDE = ".replaced-"
+_PREVIOUS = "previous"
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class Destination:
 def check_destination(output_dir: Path, overwrite: bool) -> Destination:
     """Raises ExporterError, naming ``-o``, for a destination the export could not write to."""
     output_dir = Path(output_dir).resolve()  # a link to a folder: the folder is what is replaced
+    if output_dir.parent.is_dir():
+        # First: a killed export's folder is room, and may hold the old package to move back.
+        remove_stale_staging(output_dir)
     if output_dir.exists():
         if not output_dir.is_dir():
             raise ExporterError(f"-o '{output_dir}' is a file; choose a folder path for -o")
@@ -63,8 +68,6 @@ def check_destination(output_dir: Path, overwrite: bool) -> Destination:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ExporterError(f"-o '{output_dir}' cannot be written: '{ancestor}' is read-only or not ours "
                             "to write in; choose another -o")
-    if ancestor == output_dir.parent:
-        remove_stale_staging(output_dir)  # before the space checks: a killed export's folder is room
     return Destination(output_dir, _state(output_dir))
 
 
@@ -118,17 +121,23 @@ def staging_folder(destination: Destination) -> Iterator[Path]:
         os.rename(root / f"{LOCK_NAME}.new", root / LOCK_NAME)
         staging.mkdir(mode=0o777)  # an ordinary folder under the umask, unlike mkdtemp's private one
         yield staging
-        _swap_in(staging, destination)
+        _swap_in(staging, destination, root / _PREVIOUS)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)  # the package first: the lock marks the folder as ours
+        # The old package could not be moved back (rare: the rename back failed): the folder stays
+        # for the next export of -o, which restores it.
+        stuck = (root / _PREVIOUS).is_dir() and not os.path.lexists(path)
+        if not stuck:
+            shutil.rmtree(staging, ignore_errors=True)  # the package first: the lock marks the folder as ours
         if lock is not None:
             lock.close()
-        shutil.rmtree(root, ignore_errors=True)
+        if not stuck:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def remove_stale_staging(path: Path) -> list[Path]:
     """Removes the staging folders of ``path`` left by exports that no longer run (their lock is
-    free); returns them."""
+    free), first moving back an old package an export killed mid-swap had moved aside; returns
+    the folders removed."""
     removed = []
     for candidate in path.parent.glob(f".{glob.escape(path.name)}{_STAGING}*"):
         lock_path = candidate / LOCK_NAME
@@ -139,6 +148,12 @@ def remove_stale_staging(path: Path) -> list[Path]:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # an export still runs there
+        previous = candidate / _PREVIOUS
+        if previous.is_dir():
+            if not os.path.lexists(path):
+                os.rename(previous, path)  # killed mid-swap: the old package goes back where it was
+            elif (candidate / "package").is_dir():
+                continue  # killed mid-swap and -o made anew since: the old package is kept here
         shutil.rmtree(candidate, ignore_errors=True)
         removed.append(candidate)
     return removed
@@ -148,33 +163,27 @@ def remove_stale_staging(path: Path) -> list[Path]:
 _TAKEN = {errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR, errno.ENOENT}
 
 
-def _swap_in(staging: Path, destination: Destination) -> None:
+def _swap_in(staging: Path, destination: Destination, aside: Path) -> None:
     path = destination.path
     changed = ExporterError(f"-o '{path}' changed while the export ran (created, deleted or written to); "
                             "it was left as it is and nothing was written: run the export again")
-    if destination.state is None:
-        try:
-            # rename fails on anything that appeared there meanwhile, except an empty folder.
-            os.rename(staging, path)
-        except OSError as error:
-            if error.errno in _TAKEN:
-                raise changed from error
-            raise
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}{_ASIDE}", dir=path.parent))
+    replacing = destination.state is not None
     try:
-        os.rename(path, aside)  # replaces the empty folder mkdtemp made
+        if replacing:
+            os.rename(path, aside)
     except OSError as error:
-        aside.rmdir()
-        if error.errno in _TAKEN:
+        if error.errno in _TAKEN:  # -o was deleted or replaced by a file meanwhile
             raise changed from error
         raise
-    if _state(aside)[1:] != destination.state[1:]:
-        os.rename(aside, path)
-        raise changed
     try:
+        if replacing and _state(aside)[1:] != destination.state[1:]:
+            raise changed
+        # rename fails on anything that appeared at an absent -o meanwhile, except an empty folder.
         os.rename(staging, path)
-    except BaseException:
-        os.rename(aside, path)
+    except BaseException as error:
+        if replacing:
+            os.rename(aside, path)  # also on Ctrl-C or SIGTERM: -o is never left missing
+        if isinstance(error, OSError) and error.errno in _TAKEN:
+            raise changed from error
         raise
     shutil.rmtree(aside, ignore_errors=True)

@@ -108,7 +108,8 @@ def export(
                                full_logits=full_logits, int4=int4, multimodal=loaded.multimodal,
                                int4_encoders=int4_encoders)
     plan = make_plan(settings)
-    destination.require_space(target, _fewest_weight_bytes(prepared, settings, plan))
+    tokenizer_bytes = _tokenizer_bytes(loaded.tokenizer)
+    destination.require_space(target, _fewest_weight_bytes(prepared, settings, plan) + tokenizer_bytes)
     report = _new_report(loaded, settings, plan)
 
     models, attached, read = {}, 0, set()
@@ -120,13 +121,13 @@ def export(
     if loaded.weights is not None:
         report.notes += weights.account(loaded.weights, attached, read, strict)
 
-    weight_bytes = sum(r.initializers["total_bytes"] for r in report.sessions.values())
-    destination.require_space(target, weight_bytes)
+    package_bytes = _package_bytes(report, tokenizer_bytes)
+    destination.require_space(target, package_bytes)
     try:
         with destination.staging_folder(target) as staging:
             _write_package(staging, models, loaded, settings, report, stages)
     except OSError as error:
-        if mapped := environment_error(error, weight_bytes, where=target.path):
+        if mapped := environment_error(error, package_bytes, where=target.path):
             raise mapped from error
         raise
     return ExportedPackage(output_dir, report, settings.layout, plan)
@@ -147,6 +148,28 @@ def _write_package(staging: Path, models, loaded, settings: ExportSettings, repo
         package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
         package.save_tokenizer(loaded.tokenizer, staging)
     package.save_report(report, stages, staging)
+
+
+# What a node's protobuf takes in model.onnx, with room to spare (about 180 bytes measured on the
+# tiny Gemma 4), and the configs and report (a few KiB for the tiny models, under 1 MiB for E2B).
+_GRAPH_BYTES_PER_NODE = 1024
+_CONFIG_AND_REPORT_BYTES = 1 << 20
+
+
+def _package_bytes(report: ExportReport, tokenizer_bytes: int) -> int:
+    """The package's size, known once the graphs are built: weights (inside the model files or
+    beside them), each graph's nodes, the tokenizer, the configs and the report."""
+    sessions = report.sessions.values()
+    weight_bytes = sum(r.initializers["total_bytes"] for r in sessions)
+    node_count = sum(sum(r.op_counts.values()) for r in sessions)
+    return weight_bytes + node_count * _GRAPH_BYTES_PER_NODE + tokenizer_bytes + _CONFIG_AND_REPORT_BYTES
+
+
+def _tokenizer_bytes(tokenizer) -> int:
+    """tokenizer.json's size, serialized the way save_pretrained writes it (0 for a tokenizer that
+    has no fast backend: its vocabulary files are small beside any model's weights)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return len(backend.to_str(pretty=True).encode()) if backend is not None else 0
 
 
 def _fewest_weight_bytes(prepared, settings: ExportSettings, plan: ExportPlan) -> int:

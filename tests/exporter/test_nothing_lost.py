@@ -255,6 +255,54 @@ def test_too_little_space_fails_before_tracing(checkpoint, tmp_path, capsys, mon
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB tmpfs, a real disk too small for any package (skipped where mounting is not allowed)."""
+    mount_point = tmp_path / "small_disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_real_small_disk_fails_before_tracing(checkpoint, small_tmpfs, capsys, monkeypatch):
+    _no_work(monkeypatch)
+    code, lines = _run_cli([checkpoint, "-o", small_tmpfs / "out"], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, "-o", "needs about", "KiB free")
+    assert list(small_tmpfs.iterdir()) == []
+
+
+def test_a_real_disk_that_fills_while_writing_is_said_as_such(checkpoint, small_tmpfs, capsys, monkeypatch):
+    # Another process fills the disk after the check: the write itself meets ENOSPC.
+    monkeypatch.setattr(pipeline.destination, "require_space", lambda *args: None)
+    code, lines = _run_cli([checkpoint, "-o", small_tmpfs / "out"], capsys)
+    assert code == 2
+    message = _assert_one_line_error(lines, "the disk is full", "the package needs about", "free there")
+    assert "please report" not in message
+    assert list(small_tmpfs.iterdir()) == []
+
+
+def test_an_immutable_package_fails_up_front(exported, checkpoint, tmp_path, capsys, monkeypatch):
+    _no_work(monkeypatch)
+    out = shutil.copytree(exported, tmp_path / "out")
+    if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not allowed here")
+    try:
+        code, lines = _run_cli([checkpoint, "-o", out, "--overwrite"], capsys)
+    finally:
+        subprocess.run(["chattr", "-i", str(out)], check=True)
+    assert code == 2
+    _assert_one_line_error(lines, "-o", "cannot be replaced", "choose another -o")
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in exported.iterdir())
+    assert _left_beside(tmp_path) == []
+
+
 # -- 4. a destination changed during the export is left as it is ------------------------------
 
 def _during_write(monkeypatch, action):
@@ -355,6 +403,69 @@ def test_sigterm_while_writing_leaves_nothing(checkpoint, tmp_path):
     assert process.returncode == 143
     assert err.strip().splitlines()[-1] == "error: terminated; nothing was written"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ready"]
+
+
+_SLOW_TRACE = """
+import sys, time
+from pathlib import Path
+from exporter import pipeline
+from exporter.cli import main
+real = pipeline.lower
+def lower(*args, **kwargs):
+    Path(sys.argv[1]).write_text("tracing")
+    time.sleep(60)
+    return real(*args, **kwargs)
+pipeline.lower = lower
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_sigterm_while_tracing_leaves_nothing(checkpoint, tmp_path):
+    ready, out = tmp_path / "ready", tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-c", _SLOW_TRACE, str(ready), str(checkpoint), "-o", str(out)],
+                               cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ready.exists(), process.stderr.read() if process.poll() is not None else "the export never traced"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143
+    assert err.strip().splitlines()[-1] == "error: terminated; nothing was written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ready"]
+
+
+def test_an_interrupted_swap_puts_the_old_package_back(exported, checkpoint, tmp_path, capsys, monkeypatch):
+    out = shutil.copytree(exported, tmp_path / "out")
+    (out / "model.onnx.data").write_bytes(b"old")
+    real_rename = os.rename
+
+    def rename(source, target):
+        if Path(source).name == "package" and Path(target) == out:
+            raise KeyboardInterrupt  # Ctrl-C (or SIGTERM) between moving -o aside and moving the new one in
+        return real_rename(source, target)
+
+    monkeypatch.setattr(destination.os, "rename", rename)
+    code, _ = _run_cli([checkpoint, "-o", out, "--overwrite"], capsys)
+    assert code == 130
+    assert (out / "model.onnx.data").read_bytes() == b"old"
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in exported.iterdir())
+    assert _left_beside(tmp_path) == []
+
+
+def test_a_package_left_aside_by_a_killed_swap_is_moved_back(exported, checkpoint, tmp_path, capsys):
+    # What SIGKILL between the swap's two renames leaves: -o absent, the old package in previous/.
+    stale = tmp_path / ".out.partial-killed"
+    stale.mkdir()
+    (stale / destination.LOCK_NAME).write_text("12345\n")
+    shutil.copytree(exported, stale / "package")
+    shutil.copytree(exported, stale / "previous")
+    (stale / "previous" / "model.onnx.data").write_bytes(b"old")
+    code, lines = _run_cli([checkpoint, "-o", tmp_path / "out"], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, "exists", "--overwrite")
+    assert (tmp_path / "out" / "model.onnx.data").read_bytes() == b"old"
+    assert _left_beside(tmp_path) == []
 
 
 def test_stale_staging_folders_are_removed_and_others_kept(checkpoint, tmp_path, capsys):
