@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from exporter.errors import ExporterError
+from exporter.peft_models import is_peft_model, merged_copy
 from exporter.multimodal import (
     MultimodalFacts,
     is_multimodal,
@@ -86,6 +88,11 @@ class LoadOptions:
 def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions(), processor: Any = None) -> LoadedModel:
     """``processor``: an in-memory multimodal model's processor (or its folder), for the image and
     audio settings of its package."""
+    if is_peft_model(source):
+        merged, note = merged_copy(source)
+        loaded = _from_memory(merged, tokenizer, options, processor)
+        loaded.notes.insert(0, note)
+        return loaded
     if isinstance(source, transformers.PreTrainedModel):
         return _from_memory(source, tokenizer, options, processor)
     if not isinstance(source, (str, Path)):
@@ -311,12 +318,12 @@ def _streamed(path: Path, config, tokenizer: Any, options: LoadOptions, source: 
 def _full_model_keys(config, options: LoadOptions) -> list[str]:
     """The saved tensor names of the checkpoint's whole architecture (a multimodal one's towers
     too), from a model with every tensor on meta."""
-    from accelerate import init_empty_weights
+    from transformers import initialization
 
     architectures = list(getattr(config, "architectures", None) or [])
     model_class = getattr(transformers, architectures[0], None) if architectures else None
     try:
-        with init_empty_weights(include_buffers=True):
+        with torch.device("meta"), initialization.meta_device_safe_creation_ops():
             if model_class is not None:
                 full = model_class(config)
             else:
