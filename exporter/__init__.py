@@ -3,5 +3,6 @@
 from exporter.errors import ExporterError
 from exporter.onnx_passes.quantize_int4 import Int4Options
 from exporter.pipeline import ExportedPackage, export
+from exporter.training import ExportOnSave
 
-__all__ = ["ExportedPackage", "ExporterError", "Int4Options", "export"]
+__all__ = ["ExportOnSave", "ExportedPackage", "ExporterError", "Int4Options", "export"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 from ep_profiles import PROFILES, get_profile
@@ -18,17 +18,6 @@ from exporter.pipeline import export
 from exporter.precisions import PRECISIONS, choose_precision
 from exporter.presets import DEFAULT_PRESET
 from exporter.sources import describe_sources
-from exporter.stages import StageRecord
-
-_STAGE_TITLES = {
-    "load": "loading the model",
-    "trace": "tracing with torch.export",
-    "fx_passes": "running FX passes",
-    "lower": "lowering to ONNX",
-    "onnx_passes": "running ONNX passes",
-    "package": "writing the package",
-}
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -81,49 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--int4-encoders", action="store_true",
                         help="with --precision int4, quantize the vision and speech towers too (by default they "
                              "stay at the activation precision: int4 audio towers hurt speech quality)")
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON summary on stdout (package, sessions, sizes, passes, timings, notes; "
+                             "on failure: ok false, the exit code and the error) instead of the text summary")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on failure")
     return parser
-
-
-class _Progress:
-    """One line per stage on stderr; on a terminal the line counts seconds while the stage runs."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stderr  # looked up now: sys.stderr may have been replaced since import
-        self.live = self.stream.isatty()
-        self._ticker: threading.Thread | None = None
-        self._stop = threading.Event()
-
-    def __call__(self, name: str, record: StageRecord | None) -> None:
-        step, _, session = name.partition(":")
-        title = _STAGE_TITLES.get(step, step) + (f" ({session} session)" if session else "")
-        if record is None:
-            self._start(title)
-        else:
-            self._finish(title, record)
-
-    def _start(self, title: str) -> None:
-        if not self.live:
-            print(f"  {title} ...", file=self.stream, flush=True)
-            return
-        self._stop.clear()
-        started = time.perf_counter()
-
-        def tick():
-            while not self._stop.wait(0.5):
-                print(f"\r  {title} ... {time.perf_counter() - started:.0f} s", end="", file=self.stream, flush=True)
-
-        self._ticker = threading.Thread(target=tick, daemon=True)
-        self._ticker.start()
-
-    def _finish(self, title: str, record: StageRecord) -> None:
-        if self._ticker is not None:
-            self._stop.set()
-            self._ticker.join()
-            self._ticker = None
-        prefix = "\r" if self.live else ""
-        line = f"  {title}: {record.seconds:.1f} s, peak memory {record.peak_rss_bytes / 2**30:.2f} GiB"
-        print(f"{prefix}{line:<70}", file=self.stream, flush=True)
 
 
 def program() -> str:
@@ -245,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.int4_encoders and precision != "int4":
             raise ExporterError(f"--int4-encoders applies to --precision int4, not {precision}")
     except (ExporterError, UnknownProfileError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return _failed(args, str(error), 2)
     output = args.output or Path(f"{Path(str(args.model)).name}-{args.ep}-{precision}")
     print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)
     with _sigterm_as_interrupt():
@@ -289,28 +239,29 @@ def _export(args, output: Path, int4) -> int:
             int4=int4,
             text_only=args.text_only,
             int4_encoders=args.int4_encoders,
-            on_stage=_Progress(),
+            progress=True,
         )
     except ExporterError as error:
         if args.debug:
             raise
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return _failed(args, str(error), 2)
     except KeyboardInterrupt as interrupt:
         terminated = isinstance(interrupt, Terminated)
-        print(f"error: {'terminated' if terminated else 'interrupted'}; nothing was written", file=sys.stderr)
-        return 143 if terminated else 130
+        return _failed(args, f"{'terminated' if terminated else 'interrupted'}; nothing was written",
+                       143 if terminated else 130)
     except OSError as error:
         if args.debug:
             raise
         if (mapped := environment_error(error)) is None:
-            return _unexpected(error)
-        print(f"error: {mapped}", file=sys.stderr)
-        return 2
+            return _unexpected(args, error)
+        return _failed(args, str(mapped), 2)
     except Exception as error:  # a bug, not bad input: still one line, nothing left behind
         if args.debug:
             raise
-        return _unexpected(error)
+        return _unexpected(args, error)
+    if args.json:
+        print(json.dumps(result.summary(), indent=2))
+        return 0
     report = result.report
     nodes = sum(sum(s.op_counts.values()) for s in report.sessions.values())
     weight_bytes = sum(s.initializers["total_bytes"] for s in report.sessions.values())
@@ -325,7 +276,14 @@ def _export(args, output: Path, int4) -> int:
     return 0
 
 
-def _unexpected(error: BaseException) -> int:
-    print(f"error: unexpected {type(error).__name__}: {error}; nothing was written. "
-          "Rerun with --debug for the traceback and please report it", file=sys.stderr)
-    return 1
+def _failed(args, message: str, code: int) -> int:
+    """The one-line error on stderr; with --json, also a JSON summary of the failure on stdout."""
+    print(f"error: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "exit_code": code, "error": message}, indent=2))
+    return code
+
+
+def _unexpected(args, error: BaseException) -> int:
+    return _failed(args, f"unexpected {type(error).__name__}: {error}; nothing was written. "
+                         "Rerun with --debug for the traceback and please report it", 1)

@@ -24,18 +24,26 @@ _ENVIRONMENT = {
 }
 
 
+# What numpy's ``tofile`` raises when the disk takes fewer bytes than asked ("32768 requested and
+# 31744 written"), with no errno.
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+
+
 def environment_error(error: OSError, needed_bytes: int | None = None,
                       where: Path | None = None) -> ExporterError | None:
     """The one-line error for an OSError the machine causes (not a bug), or None for others;
     ``where``: the path to name when the error names none (a write into the package)."""
     from exporter.units import size_text
 
-    reason = _ENVIRONMENT.get(error.errno)
+    number = error.errno
+    if number is None and _SHORT_WRITE.search(str(error)):
+        number = errno.ENOSPC  # numpy's tofile on a full disk: no errno, only the short count
+    reason = _ENVIRONMENT.get(number)
     if reason is None:
         return None
     path = error.filename or where or "?"
     text = f"cannot write or read '{path}': {reason}"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if number in (errno.ENOSPC, errno.EDQUOT):
         from exporter.destination import nearest_existing
 
         existing = nearest_existing(Path(path))
@@ -43,7 +51,7 @@ def environment_error(error: OSError, needed_bytes: int | None = None,
         if existing.exists():
             facts.append(f"{size_text(shutil.disk_usage(existing).free)} free there")
         text += (f" ({'; '.join(facts)})" if facts else "") + "; free some space or choose another -o"
-    elif error.errno == errno.EEXIST:
+    elif number == errno.EEXIST:
         text += "; remove it or choose another -o"
     else:
         text += "; fix its permissions or choose another -o"

@@ -9,6 +9,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,27 @@ DATA_FILENAME = "model.onnx.data"
 GENAI_CONFIG_FILENAME = "genai_config.json"
 REPORT_FILENAME = "export_report.json"
 REPORT_MARKDOWN_FILENAME = "export_report.md"
+# Tensors of at most this many bytes stay inside model.onnx (onnx_ir's default); the rest go to .data.
+INLINE_TENSOR_BYTES = 256
 
 
-def save_model(model: ir.Model, folder: Path, filename: str = MODEL_FILENAME) -> None:
+def save_model(model: ir.Model, folder: Path, filename: str = MODEL_FILENAME,
+               on_tensor: Callable[[int], None] | None = None) -> None:
     """The model as ``filename`` (which may name a session's subfolder) with its weights as
-    external data beside it (``<name>.data``, a path relative to the model file)."""
+    external data beside it (``<name>.data``, a path relative to the model file);
+    ``on_tensor(bytes)`` is called as each external tensor is written."""
     path = folder / filename
     path.parent.mkdir(parents=True, exist_ok=True)
-    ir.save(model, path, external_data=f"{path.name}.data")
+    callback = (lambda tensor, info: on_tensor(tensor.nbytes)) if on_tensor else None
+    ir.save(model, path, external_data=f"{path.name}.data", size_threshold_bytes=INLINE_TENSOR_BYTES,
+            callback=callback)
+
+
+def external_tensors(model: ir.Model) -> tuple[int, int]:
+    """How many tensors ``save_model`` writes as external data, and their bytes."""
+    sizes = [v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None]
+    external = [size for size in sizes if size > INLINE_TENSOR_BYTES]
+    return len(external), sum(external)
 
 
 def save_json(data: Any, path: Path) -> None:

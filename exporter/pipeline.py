@@ -5,6 +5,7 @@ together, times them and fills the report.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from exporter.onnx_passes.quantize_int4 import Int4Options
 from exporter.plan import ExportPlan, ExportSettings, export_settings, make_plan
 from exporter.precisions import PRECISIONS, choose_precision, int4_options
 from exporter.prepare import prepare
+from exporter.progress import ProgressDisplay
 from exporter.report import ExportReport, SessionReport
 from exporter.sessions import SESSIONS
 from exporter.sources import LoadOptions, load
@@ -51,6 +53,37 @@ class ExportedPackage:
     def session_path(self, name: str) -> Path:
         return self.path / SESSIONS[name].filename(self.plan.settings)
 
+    def summary(self) -> dict[str, Any]:
+        """What CI scripts read (``--json``): where the package is, its sessions, sizes, passes,
+        stage timings and notes; the full record is the package's export_report.json."""
+        report = self.report
+        return {
+            "ok": True,
+            "package": str(self.path.resolve()),
+            "source": report.source,
+            "ep": report.ep,
+            "precision": report.precision,
+            "seconds": round(report.total_seconds, 3),
+            "package_bytes": sum(f["bytes"] for f in report.files.values()),
+            "layers": self.layout.num_layers,
+            "kv_cache_layers": len(self.layout.kv_layers),
+            "sessions": {
+                name: {
+                    "file": session.filename,
+                    "onnx_nodes": sum(session.op_counts.values()),
+                    "weight_tensors": session.initializers["count"],
+                    "weight_bytes": session.initializers["total_bytes"],
+                    "fx_passes": [p["name"] for p in session.fx_passes],
+                    "onnx_passes": [p["name"] for p in session.onnx_passes],
+                }
+                for name, session in report.sessions.items()
+            },
+            "files": {path: record["bytes"] for path, record in report.files.items()},
+            "stages": [{"name": stage["name"], "seconds": round(stage["seconds"], 3),
+                        "peak_rss_bytes": stage["peak_rss_bytes"]} for stage in report.stages],
+            "notes": report.notes,
+        }
+
 
 def export(
     model: Any,
@@ -71,6 +104,7 @@ def export(
     int4_encoders: bool = False,
     processor: Any = None,
     on_stage: Callable[[str, StageRecord | None], None] | None = None,
+    progress: bool = False,
 ) -> ExportedPackage:
     """Export a decoder LM to an ONNX Runtime GenAI package in ``output_dir``.
 
@@ -98,7 +132,8 @@ def export(
         raise ExporterError(f"int4_encoders applies to precision int4, not {precision}")
     output_dir = Path(output_dir)
     target = destination.check_destination(output_dir, overwrite)
-    stages = StageLog(on_stage)
+    display = ProgressDisplay() if progress else None
+    stages = StageLog(*(listener for listener in (display, on_stage) if listener is not None))
 
     with stages.stage("load"):
         options = LoadOptions(allow_pickled_weights, trust_remote_code, random_weights, strict, text_only)
@@ -125,7 +160,7 @@ def export(
     destination.require_space(target, package_bytes)
     try:
         with destination.staging_folder(target) as staging:
-            _write_package(staging, models, loaded, settings, report, stages)
+            _write_package(staging, models, loaded, settings, report, stages, display)
     except OSError as error:
         if mapped := environment_error(error, package_bytes, where=target.path):
             raise mapped from error
@@ -134,12 +169,14 @@ def export(
 
 
 def _write_package(staging: Path, models, loaded, settings: ExportSettings, report: ExportReport,
-                   stages: StageLog) -> None:
-    with stages.stage("package"):
+                   stages: StageLog, display: ProgressDisplay | None) -> None:
+    tensors, weight_bytes = map(sum, zip(*(package.external_tensors(m) for m in models.values()), strict=True))
+    with stages.stage("package"), (display.writing(tensors, weight_bytes) if display
+                                   else contextlib.nullcontext(None)) as on_tensor:
         sections = {}
         for name, onnx_model in models.items():
             session = SESSIONS[name]
-            package.save_model(onnx_model, staging, session.filename(settings))
+            package.save_model(onnx_model, staging, session.filename(settings), on_tensor)
             sections[name] = session.genai_section(settings, [v.name for v in onnx_model.graph.inputs])
             for filename, values in session.extra_files(settings).items():
                 package.save_json(values, staging / filename)

@@ -52,16 +52,16 @@ class _PeakSampler(threading.Thread):
 
 
 class StageLog:
-    """Runs named stages, records each, and tells an optional listener when one starts and ends."""
+    """Runs named stages, records each, and tells its listeners when one starts and ends."""
 
-    def __init__(self, listener: Callable[[str, StageRecord | None], None] | None = None):
+    def __init__(self, *listeners: Callable[[str, StageRecord | None], None]):
         self.records: list[StageRecord] = []
-        self._listener = listener
+        self._listeners = listeners
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        if self._listener:
-            self._listener(name, None)
+        for listener in self._listeners:
+            listener(name, None)
         sampler = _PeakSampler()
         sampler.start()
         start = time.perf_counter()
@@ -72,5 +72,5 @@ class StageLog:
             peak = sampler.stop()
         record = StageRecord(name, seconds, peak, resident_bytes())
         self.records.append(record)
-        if self._listener:
-            self._listener(name, record)
+        for listener in self._listeners:
+            listener(name, record)

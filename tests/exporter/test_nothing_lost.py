@@ -495,7 +495,7 @@ def test_stale_staging_folders_are_removed_and_others_kept(checkpoint, tmp_path,
     (errno.EEXIST, "it already exists"),
 ])
 def test_environment_errors_while_writing_are_one_line_exit_2(checkpoint, tmp_path, capsys, monkeypatch, number, words):
-    def failing_save(model, folder, filename=package.MODEL_FILENAME):
+    def failing_save(model, folder, filename=package.MODEL_FILENAME, on_tensor=None):
         raise OSError(number, os.strerror(number), str(Path(folder) / filename))
 
     monkeypatch.setattr(package, "save_model", failing_save)
