@@ -1,0 +1,147 @@
+"""The README as a contract: every command it shows is read from the README itself and either run
+or, where running it here is out of reach, checked against the tool's own ``--help``.
+
+- Every option any README command names (the synopsis included) exists in its command's ``--help``.
+- Fenced and inline commands without placeholders run from a scratch folder, in README order
+  (the export before the ``check`` of its package), and exit 0. Two kinds are replaced, each said
+  in the test: a full-size ``gemma-4-e2b`` export (minutes and GiBs) runs as ``plan`` with the same
+  arguments (the model resolved, every option parsed and checked, no tracing); a benchmark runs
+  when its model is a tiny preset on the CPU, else only its options are checked.
+- CI (``.ci/run``) runs the README's test command, word for word.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.l1
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+_PROGRAMS = ("python -m exporter", "genai-exporter", "python scripts/")
+
+
+def _fenced_lines() -> list[str]:
+    lines = []
+    for language, body in re.findall(r"```(\w*)\n(.*?)```", README, re.S):
+        if language not in ("", "bash"):
+            continue
+        for line in body.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            lines += [part.strip() for part in line.split("&&")]
+    return [line for line in lines if line.startswith(_PROGRAMS)]
+
+
+def _inline_commands() -> list[str]:
+    return [c for c in re.findall(r"`([^`\n]+)`", README) if c.startswith(_PROGRAMS) and not c.endswith("...")]
+
+
+def _synopsis_continuations() -> list[str]:
+    """The synopsis's wrapped lines (options only), joined to the command they continue."""
+    block = re.search(r"## Command line\n\n```\n(.*?)```", README, re.S).group(1)
+    commands: list[str] = []
+    for line in block.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if line.startswith(_PROGRAMS):
+            commands.append(line)
+        elif line and commands:
+            commands[-1] += " " + line
+    return commands
+
+
+def _has_placeholder(command: str) -> bool:
+    return bool(re.search(r"\b[A-Z][A-Z0-9_]+\b|\[|\||\.\.\.", command))
+
+
+def _subcommand(words: list[str]) -> tuple[list[str], list[str]]:
+    """(the program's argv up to the subcommand, the rest) for ``python -m exporter`` or a script."""
+    if words[:3] == ["python", "-m", "exporter"]:
+        program, rest = [sys.executable, "-m", "exporter"], words[3:]
+    elif words[0] == "genai-exporter":
+        program, rest = [sys.executable, "-m", "exporter"], words[1:]
+    else:
+        program, rest = [sys.executable, str(ROOT / words[1])], words[2:]
+    if rest[:1] and rest[0] in ("list", "plan", "check"):
+        program, rest = program + rest[:1], rest[1:]
+    return program, rest
+
+
+def _help(program: tuple[str, ...], cache: dict = {}) -> str:  # noqa: B006 (a cache on purpose)
+    if program not in cache:
+        done = subprocess.run([*program, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        cache[program] = done.stdout
+    return cache[program]
+
+
+ALL_COMMANDS = sorted(set(_fenced_lines() + _inline_commands() + _synopsis_continuations()))
+
+
+def test_the_readme_shows_commands():
+    assert any(c.startswith("python -m exporter tiny-gemma-4") for c in ALL_COMMANDS), ALL_COMMANDS
+    assert any(c.startswith("python -m exporter check") for c in ALL_COMMANDS)
+    assert any(c.startswith("python scripts/benchmark.py") for c in ALL_COMMANDS)
+
+
+@pytest.mark.parametrize("command", ALL_COMMANDS)
+def test_every_option_the_readme_names_exists(command):
+    program, rest = _subcommand(command.split())
+    shown = _help(tuple(program))
+    for option in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", " ".join(rest)):
+        assert re.search(rf"(?<![\w-]){re.escape(option)}\b", shown), f"{option} (in `{command}`) is not in " \
+                                                                      f"{' '.join(program[1:])} --help"
+
+
+def _runnable() -> list[tuple[str, list[str]]]:
+    """(the README's command, what runs) in README order, once each."""
+    seen, runs = set(), []
+    for match in re.finditer(r"```(\w*)\n(.*?)```|`([^`\n]+)`", README, re.S):
+        lines = _fenced_lines_of(match) if match.group(2) is not None else [match.group(3)]
+        for command in lines:
+            if command in seen or not command.startswith(_PROGRAMS) or _has_placeholder(command):
+                continue
+            seen.add(command)
+            program, rest = _subcommand(shlex.split(command))
+            if program[-1] == "check" and all(word.startswith("-") for word in rest[:1]):
+                continue  # a fragment in prose (`check --ep webgpu`): no package named, options checked above
+            if program[-1].endswith("scripts/benchmark.py"):
+                if not (rest and rest[0].startswith("tiny-") and "--graph-capture" not in rest):
+                    continue  # full-size or WebGPU benchmarks: options checked above
+                runs.append((command, [*program, *rest, "--output", "benchmark.md"]))
+            elif program[-1] == "exporter" and rest and rest[0] == "gemma-4-e2b":
+                runs.append((command, [*program, "plan", *[w for w in rest if w != "--random-weights"]]))
+            else:
+                runs.append((command, [*program, *rest]))
+    return runs
+
+
+def _fenced_lines_of(match: re.Match) -> list[str]:
+    if match.group(1) not in ("", "bash"):
+        return []
+    lines = []
+    for line in match.group(2).splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        lines += [part.strip() for part in line.split("&&")]
+    return lines
+
+
+RUNNABLE = _runnable()
+
+
+def test_every_runnable_readme_command_exits_0(tmp_path):
+    assert [c for c, _ in RUNNABLE][:1] == ["python -m exporter tiny-gemma-4 -o out/tiny-gemma-4 --overwrite"]
+    assert any(c.startswith("python -m exporter check out/") for c, _ in RUNNABLE)
+    for command, argv in RUNNABLE:
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"`{command}` exited {done.returncode}: {done.stderr.strip()[-2000:]}"
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = next(line for line in re.findall(r"```bash\n(.*?)```", README, re.S)[0].splitlines()
+                        if "pytest" in line).strip()
+    assert test_command in (ROOT / ".ci" / "run").read_text().splitlines()
