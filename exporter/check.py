@@ -89,7 +89,8 @@ def check_package(package: Path, profile: EpProfile, against: Any = None) -> lis
     loaded = ", ".join(str(path.relative_to(package)) for path in context.session_paths.values())
     recorded = sum(is_model_file(name) for name in recorded_files(package))
     kept = (f"{recorded} graph and weights files match the size and sha256 recorded at export" if recorded
-            else "no file record to compare with")
+            else "NOT verified against sizes and sha256: no export_report.json file records (a package "
+                 "from another exporter, or its report removed); only the external-data extents were checked")
     if edited := edited_files(package):
         kept += f"; edited since the export: {', '.join(edited)}"
     findings = [Finding("files", True, f"{loaded} and {GENAI_CONFIG_FILENAME} load; {kept}")]

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def program() -> str:
     """The name users typed: the console script, or ``python -m exporter``."""
-    return "genai-exporter" if Path(sys.argv[0]).name == "genai-exporter" else "python -m exporter"
+    return "genai-exporter" if Path(sys.argv[0]).stem == "genai-exporter" else "python -m exporter"
 
 
 def _list(argv: list[str]) -> int:
@@ -188,7 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         return _check(argv[1:])
     if argv[:1] == ["plan"]:
         return _plan(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if "--json" in argv:
+        def json_error(message: str):  # argparse's own errors, as JSON too
+            parser.print_usage(sys.stderr)
+            raise SystemExit(_failed(argparse.Namespace(json=True), f"{message} (see {parser.prog} --help)", 2))
+
+        parser.error = json_error
+    args = parser.parse_args(argv)
     try:
         profile = get_profile(args.ep)
         precision = choose_precision(profile, args.precision)
@@ -197,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ExporterError(f"--int4-encoders applies to --precision int4, not {precision}")
     except (ExporterError, UnknownProfileError) as error:
         return _failed(args, str(error), 2)
-    output = args.output or Path(f"{Path(str(args.model)).name}-{args.ep}-{precision}")
+    # A folder's own name (`.` resolved), a hub id's last part, or the preset's name.
+    model_path = Path(str(args.model))
+    model_name = model_path.resolve().name if model_path.exists() else model_path.name
+    output = args.output or Path(f"{model_name}-{args.ep}-{precision}")
     print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)
     with _sigterm_as_interrupt():
         return _export(args, output, int4)
@@ -244,7 +254,7 @@ def _export(args, output: Path, int4) -> int:
     except ExporterError as error:
         if args.debug:
             raise
-        return _failed(args, str(error), 2)
+        return _failed(args, str(error), error.exit_code)
     except KeyboardInterrupt as interrupt:
         terminated = isinstance(interrupt, Terminated)
         return _failed(args, f"{'terminated' if terminated else 'interrupted'}; nothing was written",

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import glob
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -59,16 +60,37 @@ def check_destination(output_dir: Path, overwrite: bool) -> Destination:
         if any(output_dir.iterdir()) and not (output_dir / GENAI_CONFIG_FILENAME).is_file():
             raise ExporterError(f"-o '{output_dir}' exists and is not a package (no {GENAI_CONFIG_FILENAME}); "
                                 "--overwrite only replaces packages: choose another -o")
+        if foreign := _not_from_the_export(output_dir):
+            raise ExporterError(f"-o '{output_dir}' holds '{foreign}', which its export did not write; "
+                                "--overwrite would delete it: move it out of -o or choose another -o")
         if not os.access(output_dir, os.W_OK | os.X_OK):
             raise ExporterError(f"-o '{output_dir}' cannot be replaced: it is read-only, immutable or not ours; "
                                 "choose another -o")
     ancestor = nearest_existing(output_dir.parent)
+    staging_name = f".{output_dir.name}{_STAGING}XXXXXXXX"
+    if ancestor.is_dir() and len(os.fsencode(staging_name)) > os.pathconf(ancestor, "PC_NAME_MAX"):
+        raise ExporterError(f"-o '{output_dir}': the name '{output_dir.name}' is too long for this file system "
+                            f"(the export writes beside it as '{staging_name}', over "
+                            f"{os.pathconf(ancestor, 'PC_NAME_MAX')} bytes); choose a shorter -o")
     if not ancestor.is_dir():
         raise ExporterError(f"-o '{output_dir}' cannot be made: '{ancestor}' is a file; choose another -o")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ExporterError(f"-o '{output_dir}' cannot be written: '{ancestor}' is read-only or not ours "
                             "to write in; choose another -o")
     return Destination(output_dir, _state(output_dir))
+
+
+def _not_from_the_export(package: Path) -> str | None:
+    """The first entry of ``package`` its export report does not list (None if all are listed, or
+    if there is no report to tell: a package from before reports recorded their files)."""
+    from exporter.integrity import recorded_files
+    from exporter.package import REPORT_FILENAME, REPORT_MARKDOWN_FILENAME
+
+    recorded = recorded_files(package)
+    if not recorded:
+        return None
+    written = {name.split("/")[0] for name in recorded} | {REPORT_FILENAME, REPORT_MARKDOWN_FILENAME}
+    return next((entry.name for entry in sorted(package.iterdir()) if entry.name not in written), None)
 
 
 def require_space(destination: Destination, needed_bytes: int) -> None:
@@ -105,11 +127,24 @@ def _state(path: Path) -> tuple | None:
 @contextlib.contextmanager
 def staging_folder(destination: Destination) -> Iterator[Path]:
     """Yields an empty folder beside ``-o``; when the block ends without an exception it replaces
-    ``-o``. On any exception (Ctrl-C and SIGTERM included) it is removed."""
+    ``-o``. On any exception (Ctrl-C and SIGTERM included) it is removed, and so are the parent
+    folders of ``-o`` it made."""
     path = destination.path
+    made = [parent for parent in reversed(path.parents) if not parent.exists()]  # -o's missing parents
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _locked_staging(destination) as staging:
+            yield staging
+    except BaseException:
+        _remove_empty(made)
+        raise
+
+
+@contextlib.contextmanager
+def _locked_staging(destination: Destination) -> Iterator[Path]:
+    path = destination.path
     remove_stale_staging(path)
-    # .NAME.partial-XXXX/ holds the lock and package/, the folder that becomes -o.
+    # .NAME.partial-XXXXXXXX/ holds the lock and package/, the folder that becomes -o.
     root = Path(tempfile.mkdtemp(prefix=f".{path.name}{_STAGING}", dir=path.parent))
     staging, lock = root / "package", None
     try:
@@ -123,15 +158,25 @@ def staging_folder(destination: Destination) -> Iterator[Path]:
         yield staging
         _swap_in(staging, destination, root / _PREVIOUS)
     finally:
-        # The old package could not be moved back (rare: the rename back failed): the folder stays
-        # for the next export of -o, which restores it.
-        stuck = (root / _PREVIOUS).is_dir() and not os.path.lexists(path)
-        if not stuck:
+        # previous/ still there: the old package was not moved back, or not yet deleted after the
+        # swap. Either way it is not deleted here: the next export of -o moves it back or, once the
+        # swap is known to have happened (package/ gone), deletes it.
+        kept = (root / _PREVIOUS).is_dir()
+        if not kept:
             shutil.rmtree(staging, ignore_errors=True)  # the package first: the lock marks the folder as ours
         if lock is not None:
             lock.close()
-        if not stuck:
+        if not kept:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Removes the folders the export made for -o's parents, deepest first, where still empty."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def remove_stale_staging(path: Path) -> list[Path]:
@@ -139,7 +184,12 @@ def remove_stale_staging(path: Path) -> list[Path]:
     free), first moving back an old package an export killed mid-swap had moved aside; returns
     the folders removed."""
     removed = []
+    # Exactly tempfile.mkdtemp's 8-character suffix: `.a.partial-*` would also match the staging
+    # folders of a destination named `a.partial-b`.
+    own_name = re.compile(re.escape(f".{path.name}{_STAGING}") + r"[a-z0-9_]{8}")
     for candidate in path.parent.glob(f".{glob.escape(path.name)}{_STAGING}*"):
+        if not own_name.fullmatch(candidate.name):
+            continue
         lock_path = candidate / LOCK_NAME
         if not candidate.is_dir() or candidate.is_symlink() or not lock_path.is_file():
             continue  # not made by this exporter: not ours to delete
@@ -181,8 +231,14 @@ def _swap_in(staging: Path, destination: Destination, aside: Path) -> None:
         # rename fails on anything that appeared at an absent -o meanwhile, except an empty folder.
         os.rename(staging, path)
     except BaseException as error:
-        if replacing:
-            os.rename(aside, path)  # also on Ctrl-C or SIGTERM: -o is never left missing
+        if replacing and staging.exists():  # not swapped in (a signal may come just after the swap)
+            try:
+                os.rename(aside, path)  # also on Ctrl-C or SIGTERM: -o is never left missing
+            except OSError as restore_error:
+                # Something took -o's place between the two renames: the old package stays aside.
+                raise ExporterError(f"-o '{path}' was created again while the export swapped it in; the old "
+                                    f"package is kept in '{aside}' and nothing was deleted: move it back "
+                                    "yourself") from restore_error
         if isinstance(error, OSError) and error.errno in _TAKEN:
             raise changed from error
         raise

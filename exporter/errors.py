@@ -13,6 +13,15 @@ from pathlib import Path
 class ExporterError(Exception):
     """A problem the user can fix; the message is one line that says what to do."""
 
+    exit_code = 2
+
+
+class ExporterBug(ExporterError):
+    """A step failed in a way no input should cause (a trace or lowering error, a broken
+    post-condition): one line too, asking for a report, and exit code 1 as for any bug."""
+
+    exit_code = 1
+
 
 _ENVIRONMENT = {
     errno.ENOSPC: "the disk is full",
@@ -21,6 +30,9 @@ _ENVIRONMENT = {
     errno.EACCES: "permission denied",
     errno.EPERM: "not permitted (an immutable or protected path)",
     errno.EEXIST: "it already exists",
+    errno.ENAMETOOLONG: "the name is too long for the file system",
+    errno.ELOOP: "too many levels of symbolic links",
+    errno.EIO: "an input/output error (a failing disk or network file system)",
 }
 
 
@@ -54,7 +66,12 @@ def environment_error(error: OSError, needed_bytes: int | None = None,
     elif number == errno.EEXIST:
         text += "; remove it or choose another -o"
     else:
-        text += "; fix its permissions or choose another -o"
+        # Only a write into the package (``where`` given) is helped by another -o; a checkpoint
+        # file that cannot be read is not.
+        elsewhere = " or choose another -o" if where is not None else ""
+        text += {errno.ENAMETOOLONG: f"; choose a shorter path{elsewhere}",
+                 errno.ELOOP: f"; fix the links{elsewhere}",
+                 errno.EIO: f"; check the disk{elsewhere}"}.get(number, f"; fix its permissions{elsewhere}")
     return ExporterError(text)
 
 

@@ -1,7 +1,8 @@
 """A PEFT model (``PeftModel``: adapters such as LoRA on a base model) exported as the model it
-computes: its active adapters merged by PEFT's own ``merge_and_unload`` into a copy. The copy
-shares every tensor the adapters leave alone, so it costs only the adapted layers' weights, and the
-caller's model and adapters stay as they were (often mid-training)."""
+computes: its active adapters merged by PEFT's own ``merge_and_unload`` into a copy. For a model on
+the CPU the copy shares every tensor the adapters leave alone, so it costs only the adapted layers'
+weights; a model on another device (training on a GPU) is copied to the CPU, where the export
+traces. Either way the caller's model and adapters stay as they were (often mid-training)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import itertools
 import sys
 from typing import Any
 
+import torch
 import transformers
 
 from exporter.errors import ExporterError
@@ -19,6 +21,11 @@ def is_peft_model(source: Any) -> bool:
     # peft is optional: a PeftModel can only exist where peft was imported.
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(source, peft.PeftModel)
+
+
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    copied = tensor.detach().to("cpu", copy=True)
+    return torch.nn.Parameter(copied, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else copied
 
 
 def merged_copy(model: Any) -> tuple[transformers.PreTrainedModel, str]:
@@ -35,11 +42,18 @@ def merged_copy(model: Any) -> tuple[transformers.PreTrainedModel, str]:
     if not adapted:
         raise ExporterError("the PeftModel has no adapted layers to merge; export its base model "
                             "(model.get_base_model()) instead")
-    # deepcopy's memo maps every tensor outside the adapted layers to itself: shared, not copied.
+    # deepcopy's memo: a CPU tensor outside the adapted layers maps to itself (shared, not copied);
+    # a tensor on another device (a model training on a GPU) to a CPU copy, since the export traces
+    # on the CPU. Tied tensors stay one tensor either way.
     inside = {id(t) for m in adapted for t in itertools.chain(m.parameters(), m.buffers())}
-    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers()) if id(t) not in inside}
+    memo = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type != "cpu":
+            memo[id(tensor)] = _on_cpu(tensor)
+        elif id(tensor) not in inside:
+            memo[id(tensor)] = tensor
     try:
-        merged = copy.deepcopy(model, shared).merge_and_unload(safe_merge=True)
+        merged = copy.deepcopy(model, memo).merge_and_unload(safe_merge=True)
     except (ValueError, AttributeError, NotImplementedError, TypeError) as error:
         kinds = sorted({config.peft_type.value for config in configs})
         raise ExporterError(f"PEFT could not merge the {', '.join(kinds)} adapters "

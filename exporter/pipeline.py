@@ -15,7 +15,7 @@ from typing import Any
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter import destination, package, postconditions, weights
-from exporter.errors import ExporterError, environment_error
+from exporter.errors import ExporterBug, ExporterError, environment_error
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
     build_genai_config,
@@ -64,7 +64,6 @@ class ExportedPackage:
             "ep": report.ep,
             "precision": report.precision,
             "seconds": round(report.total_seconds, 3),
-            "package_bytes": sum(f["bytes"] for f in report.files.values()),
             "layers": self.layout.num_layers,
             "kv_cache_layers": len(self.layout.kv_layers),
             "sessions": {
@@ -78,7 +77,9 @@ class ExportedPackage:
                 }
                 for name, session in report.sessions.items()
             },
-            "files": {path: record["bytes"] for path, record in report.files.items()},
+            "package_bytes": sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file()),
+            "files": {p.relative_to(self.path).as_posix(): p.stat().st_size
+                      for p in sorted(self.path.rglob("*")) if p.is_file()},
             "stages": [{"name": stage["name"], "seconds": round(stage["seconds"], 3),
                         "peak_rss_bytes": stage["peak_rss_bytes"]} for stage in report.stages],
             "notes": report.notes,
@@ -297,7 +298,7 @@ def _run_step(what: str, function, *args):
         raise
     except Exception as error:
         text = str(error).strip()
-        raise ExporterError(
+        raise ExporterBug(
             f"{what} failed: {type(error).__name__}: {text.splitlines()[0] if text else ''} "
             "(rerun with --debug for the traceback; please report it with the model's config)"
         ) from error

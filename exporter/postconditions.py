@@ -87,14 +87,14 @@ def presents_not_in_place(model: ir.Model) -> list[str]:
 def require(model: ir.Model, settings, session) -> None:
     """The export's check of a finished session against its plan (``exporter.plan.ExportSettings``):
     a one-line ``ExporterError`` before anything is written where GenAI would refuse the package."""
-    from exporter.errors import ExporterError
+    from exporter.errors import ExporterBug, ExporterError
 
     name = settings.profile.name
     if not session.is_decoder:
         return
     if settings.share_kv_buffer and not presents_written_in_place(model):
-        raise ExporterError(f"EP '{name}' shares the KV buffer, but some present KV is not written by "
-                            "GroupQueryAttention; please report the model")
+        raise ExporterBug(f"EP '{name}' shares the KV buffer, but some present KV is not written by "
+                          "GroupQueryAttention; please report the model")
     if not session.captured(settings):
         return
     if not settings.share_kv_buffer:

@@ -61,11 +61,12 @@ class ProgressDisplay:
             return
         from tqdm.auto import tqdm
 
-        # A terminal that reports no size (0 x 0, as some CI ptys do) would hide tqdm's bar.
+        # A terminal that reports no size (0 x 0, as some CI ptys do) would hide tqdm's bar; in a
+        # notebook tqdm's widget sizes itself (ncols there would be pixels).
         size = shutil.get_terminal_size((100, 24))
+        shape = {} if _in_notebook() else {"ncols": min(size.columns, 120), "nrows": size.lines}
         with tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
-                  desc="    weights", leave=False, mininterval=0.25, ncols=min(size.columns, 120),
-                  nrows=size.lines) as bar:
+                  desc="    weights", leave=False, mininterval=0.25, **shape) as bar:
             written = 0
 
             def tensor_written(size: int) -> None:
@@ -96,6 +97,9 @@ class ProgressDisplay:
             self._stop.set()
             self._ticker.join()
             self._ticker = None
-        prefix = "\r" if self.live else ""
-        line = f"  {title}: {record.seconds:.1f} s, peak memory {record.peak_rss_bytes / 2**30:.2f} GiB"
-        print(f"{prefix}{line:<70}", file=self.stream, flush=True)
+        if record.failed:
+            line = f"  {title}: failed after {record.seconds:.1f} s"
+        else:
+            line = f"  {title}: {record.seconds:.1f} s, peak memory {record.peak_rss_bytes / 2**30:.2f} GiB"
+        # On a terminal the line overwrites the ticker's "... N s", so it is padded over it.
+        print(f"\r{line:<70}" if self.live else line, file=self.stream, flush=True)

@@ -27,9 +27,10 @@ class StageRecord:
     seconds: float
     peak_rss_bytes: int
     end_rss_bytes: int
+    failed: bool = False  # the stage raised (listeners hear of it too; the report holds only finished stages)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key != "failed"}
 
 
 class _PeakSampler(threading.Thread):
@@ -52,7 +53,8 @@ class _PeakSampler(threading.Thread):
 
 
 class StageLog:
-    """Runs named stages, records each, and tells its listeners when one starts and ends."""
+    """Runs named stages, records each, and tells its listeners when one starts and when it ends,
+    by finishing or by raising (``record.failed``)."""
 
     def __init__(self, *listeners: Callable[[str, StageRecord | None], None]):
         self.records: list[StageRecord] = []
@@ -65,12 +67,13 @@ class StageLog:
         sampler = _PeakSampler()
         sampler.start()
         start = time.perf_counter()
+        failed = True
         try:
             yield
+            failed = False
         finally:
-            seconds = time.perf_counter() - start
-            peak = sampler.stop()
-        record = StageRecord(name, seconds, peak, resident_bytes())
-        self.records.append(record)
-        for listener in self._listeners:
-            listener(name, record)
+            record = StageRecord(name, time.perf_counter() - start, sampler.stop(), resident_bytes(), failed)
+            if not failed:
+                self.records.append(record)
+            for listener in self._listeners:
+                listener(name, record)

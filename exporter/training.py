@@ -4,8 +4,8 @@ each time the ``Trainer`` saves a checkpoint (or every N saves).
 A full checkpoint is exported from the folder the Trainer has just written, through the same
 streamed path as ``python -m exporter FOLDER``: the trainer's model is not touched, wherever it
 lives (CPU or GPU). A checkpoint that holds adapters only (a ``PeftModel`` being trained) is
-exported from the model in memory: the adapters are merged into a copy, so the trainer's model
-and adapters stay as they are; that path traces on the CPU, so the model must be there.
+exported from the model in memory: the adapters are merged into a copy on the CPU, so the
+trainer's model and adapters stay as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from exporter.errors import ExporterError
+from exporter.peft_models import is_peft_model
 from exporter.pipeline import ExportedPackage, export
 from exporter.precisions import choose_precision
 
@@ -47,7 +48,14 @@ class ExportOnSave(transformers.TrainerCallback):
             raise ValueError(f"every must be 1 or more, not {every}")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
-        self.ep, self.precision, self.every, self.folder = ep, precision, every, folder
+        from ep_profiles import get_profile
+        from ep_profiles.registry import UnknownProfileError
+
+        try:  # at construction, not at the first save hours into training
+            self.precision = choose_precision(get_profile(ep), precision)
+        except UnknownProfileError as error:
+            raise ExporterError(str(error)) from error
+        self.ep, self.every, self.folder = ep, every, folder
         self.tokenizer, self.on_error, self.overwrite = tokenizer, on_error, overwrite
         self.export_options = export_options
         self.exported: list[ExportedPackage] = []
@@ -56,7 +64,11 @@ class ExportOnSave(transformers.TrainerCallback):
 
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
         self._saves += 1
-        if self._saves % self.every or not state.is_world_process_zero:
+        # Counted from the step where saves come every save_steps, so that a run resumed from a
+        # checkpoint exports at the same saves as one that was not interrupted.
+        steps = args.save_steps if args.save_strategy == "steps" else None
+        save_number = state.global_step // int(steps) if steps and steps >= 1 and steps == int(steps) else self._saves
+        if save_number % self.every or not state.is_world_process_zero:
             return
         checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         try:
@@ -70,24 +82,22 @@ class ExportOnSave(transformers.TrainerCallback):
             logger.warning("ExportOnSave: %s not exported: %s", checkpoint.name, error)
 
     def _export(self, checkpoint: Path, step: int, model, processing_class) -> ExportedPackage:
-        from ep_profiles import get_profile
-
-        precision = choose_precision(get_profile(self.ep), self.precision)
+        precision = self.precision
         output = Path(self.folder.format(output_dir=checkpoint.parent, checkpoint=checkpoint.name, step=step,
                                          ep=self.ep, precision=precision))
         tokenizer = processing_class if processing_class is not None else self.tokenizer
         options = dict(ep=self.ep, precision=precision, output_dir=output, overwrite=self.overwrite,
                        **self.export_options)
-        if (checkpoint / "config.json").is_file() and any(checkpoint.glob("*.safetensors")):
+        # model.safetensors or model-00001-of-0000N.safetensors: adapter_model.safetensors is not one.
+        if (checkpoint / "config.json").is_file() and any(checkpoint.glob("model*.safetensors")):
             # The folder the Trainer wrote, with its tokenizer if it saved one.
             has_tokenizer = any((checkpoint / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
             return export(str(checkpoint), None if has_tokenizer else tokenizer, **options)
         if model is None or tokenizer is None:
             raise ExporterError(f"{checkpoint} holds no full model (adapters only?) and the Trainer gave no "
                                 "model or tokenizer to export in memory; pass ExportOnSave(tokenizer=...)")
-        if any(p.device.type != "cpu" for p in model.parameters()):
-            raise ExporterError(f"{checkpoint} holds adapters only, and exporting them from memory traces on the "
-                                "CPU, but the model is on another device: save full checkpoints (merge the "
-                                "adapters at save time) or export the merged model after training")
+        if not is_peft_model(model) and any(p.device.type != "cpu" for p in model.parameters()):
+            raise ExporterError(f"{checkpoint} holds no full model, and the model in memory is not on the CPU, "
+                                "where the export traces: save full checkpoints (safetensors)")
         return export(model, tokenizer, **options)
 

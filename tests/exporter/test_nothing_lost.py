@@ -223,7 +223,7 @@ def _no_work(monkeypatch):
     def traced(*args, **kwargs):
         raise AssertionError("the export traced before checking its destination")
 
-    monkeypatch.setattr(pipeline, "lower", traced)
+    monkeypatch.setattr(pipeline, "_export_session", traced)
 
 
 def test_an_output_under_a_file_fails_up_front(checkpoint, tmp_path, capsys, monkeypatch):
@@ -455,7 +455,7 @@ def test_an_interrupted_swap_puts_the_old_package_back(exported, checkpoint, tmp
 
 def test_a_package_left_aside_by_a_killed_swap_is_moved_back(exported, checkpoint, tmp_path, capsys):
     # What SIGKILL between the swap's two renames leaves: -o absent, the old package in previous/.
-    stale = tmp_path / ".out.partial-killed"
+    stale = tmp_path / ".out.partial-killed_1"
     stale.mkdir()
     (stale / destination.LOCK_NAME).write_text("12345\n")
     shutil.copytree(exported, stale / "package")
@@ -469,19 +469,19 @@ def test_a_package_left_aside_by_a_killed_swap_is_moved_back(exported, checkpoin
 
 
 def test_stale_staging_folders_are_removed_and_others_kept(checkpoint, tmp_path, capsys):
-    stale = tmp_path / ".out.partial-stale"
+    stale = tmp_path / ".out.partial-stale_01"
     stale.mkdir()
     (stale / destination.LOCK_NAME).write_text("12345\n")
     (stale / "model.onnx.data").write_bytes(b"x" * 1000)
-    foreign = tmp_path / ".out.partial-foreign"  # no lock file: not made by the exporter
+    foreign = tmp_path / ".out.partial-foreign1"  # no lock file: not made by the exporter
     foreign.mkdir()
-    running = tmp_path / ".out.partial-running"
+    running = tmp_path / ".out.partial-running1"
     running.mkdir()
     with open(running / destination.LOCK_NAME, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # an export that still runs
         code, _ = _run_cli([checkpoint, "-o", tmp_path / "out"], capsys)
     assert code == 0
-    assert _left_beside(tmp_path) == [".out.partial-foreign", ".out.partial-running"]
+    assert _left_beside(tmp_path) == [".out.partial-foreign1", ".out.partial-running1"]
     assert (tmp_path / "out" / "genai_config.json").is_file()
     assert not (tmp_path / "out" / destination.LOCK_NAME).exists()
 
@@ -638,3 +638,87 @@ def test_a_huge_vocabulary_allocates_nothing(tmp_path):
     done = subprocess.run([sys.executable, "-c", capped, str(tmp_path / "huge")], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# -- found in review: a second destination, long names, a re-created -o, extra files --------
+
+def test_another_destinations_staging_folder_is_not_touched(exported, checkpoint, tmp_path, capsys):
+    # `.out.partial-b.partial-XXXXXXXX` is the staging folder of `-o out.partial-b`, killed mid-swap.
+    other = tmp_path / ".out.partial-b.partial-killed_2"
+    other.mkdir()
+    (other / destination.LOCK_NAME).write_text("12345\n")
+    shutil.copytree(exported, other / "package")
+    shutil.copytree(exported, other / "previous")
+    code, _ = _run_cli([checkpoint, "-o", tmp_path / "out"], capsys)
+    assert code == 0
+    assert (other / "previous" / "genai_config.json").is_file()  # still there for `-o out.partial-b`
+    code, _ = _run_cli([checkpoint, "-o", tmp_path / "out.partial-b"], capsys)
+    assert code == 2  # its old package was moved back: -o exists now
+    assert not other.exists() and (tmp_path / "out.partial-b" / "genai_config.json").is_file()
+
+
+def test_a_name_too_long_for_the_staging_folder_fails_up_front(checkpoint, tmp_path, capsys, monkeypatch):
+    _no_work(monkeypatch)
+    out = tmp_path / ("n" * 245)  # fits in 255 bytes; .NAME.partial-XXXXXXXX does not
+    code, lines = _run_cli([checkpoint, "-o", out], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, "is too long for this file system", "choose a shorter -o")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parent_folders_made_for_a_failed_export_are_removed(checkpoint, tmp_path, capsys, monkeypatch):
+    def failing_save(*args, **kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), "somewhere")
+
+    monkeypatch.setattr(package, "save_model", failing_save)
+    code, lines = _run_cli([checkpoint, "-o", tmp_path / "new" / "deeper" / "out"], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, "an input/output error", "check the disk or choose another -o")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_package_recreated_during_the_swap_keeps_the_old_one_aside(exported, checkpoint, tmp_path, capsys,
+                                                                      monkeypatch):
+    out = shutil.copytree(exported, tmp_path / "out")
+    (out / "model.onnx.data").write_bytes(b"old")
+    real_rename = os.rename
+
+    def rename(source, target):
+        if Path(source).name == "package" and Path(target) == out:
+            out.mkdir()  # another process creates -o between the two renames
+            (out / "theirs.txt").write_text("theirs")
+        return real_rename(source, target)
+
+    monkeypatch.setattr(destination.os, "rename", rename)
+    code, lines = _run_cli([checkpoint, "-o", out, "--overwrite"], capsys)
+    assert code == 2
+    message = _assert_one_line_error(lines, "was created again", "the old package is kept in", "nothing was deleted")
+    kept = Path(message.split("kept in '")[1].split("'")[0])
+    assert (kept / "model.onnx.data").read_bytes() == b"old"
+    assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
+    # The next export leaves both alone: -o is someone else's now, and the old package stays aside.
+    monkeypatch.setattr(destination.os, "rename", real_rename)
+    code, _ = _run_cli([checkpoint, "-o", tmp_path / "elsewhere"], capsys)
+    assert code == 0 and (kept / "model.onnx.data").read_bytes() == b"old"
+
+
+def test_overwrite_refuses_a_package_holding_files_its_export_did_not_write(exported, checkpoint, tmp_path, capsys,
+                                                                            monkeypatch):
+    _no_work(monkeypatch)
+    out = shutil.copytree(exported, tmp_path / "out")
+    (out / "my-notes").mkdir()
+    code, lines = _run_cli([checkpoint, "-o", out, "--overwrite"], capsys)
+    assert code == 2
+    _assert_one_line_error(lines, "holds 'my-notes', which its export did not write", "move it out of -o")
+    assert (out / "my-notes").is_dir()
+
+
+def test_a_failure_inside_tracing_is_a_bug_with_exit_1(checkpoint, tmp_path, capsys, monkeypatch):
+    def broken_trace(*args, **kwargs):
+        raise RuntimeError("simulated tracing bug")
+
+    monkeypatch.setattr(pipeline, "lower", broken_trace)
+    code, lines = _run_cli([checkpoint, "-o", tmp_path / "out"], capsys)
+    assert code == 1
+    _assert_one_line_error(lines, "lowering to ONNX failed: RuntimeError: simulated tracing bug", "please report it")
+    assert list(tmp_path.iterdir()) == []

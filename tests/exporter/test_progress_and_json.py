@@ -62,6 +62,7 @@ def test_json_summary_describes_the_package(tmp_path, capsys):
     for name, size in summary["files"].items():
         assert (out / name).stat().st_size == size, name
     assert summary["package_bytes"] == sum(summary["files"].values())
+    assert {"export_report.json", "export_report.md", "model.onnx.data"} <= set(summary["files"])
     assert [s["name"] for s in summary["stages"]] == [s["name"] for s in report["stages"]]
     assert summary["notes"] == report["notes"]
 
@@ -74,3 +75,42 @@ def test_json_failure_is_json_too(tmp_path, capsys):
     assert "did you mean 'tiny-llama'" in failure["error"]
     assert captured.err.strip().splitlines()[-1] == f"error: {failure['error']}"
     assert not (tmp_path / "pkg").exists()
+
+
+def test_a_failed_stage_ends_its_line(tmp_path, monkeypatch):
+    from exporter import pipeline
+    from exporter.errors import ExporterError
+
+    def failing_lower(*args, **kwargs):
+        raise ExporterError("simulated")
+
+    monkeypatch.setattr(pipeline, "lower", failing_lower)
+    stream = _Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    with pytest.raises(ExporterError):
+        export("tiny-llama", output_dir=tmp_path / "pkg", progress=True)
+    shown = stream.getvalue()
+    assert shown.endswith("  lowering to ONNX: failed after 0.0 s" + " " * 32 + "\n"), repr(shown[-200:])
+    import time
+
+    time.sleep(1.2)  # the ticker would have printed twice by now
+    assert stream.getvalue() == shown
+
+
+def test_json_argument_errors_are_json_too(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["tiny-llama", "--precision", "fp8", "--json"])
+    assert exited.value.code == 2
+    failure = json.loads(capsys.readouterr().out)
+    assert failure["ok"] is False and "invalid choice: 'fp8'" in failure["error"]
+
+
+def test_the_default_output_of_a_dot_folder_is_named_after_it(tmp_path, monkeypatch, capsys):
+    from helpers.checkpoints import save_checkpoint
+
+    from exporter.presets import build_preset
+
+    folder = save_checkpoint(*build_preset("tiny-llama"), tmp_path / "my-model")
+    monkeypatch.chdir(folder)
+    assert main(["."]) == 0
+    assert (folder / "my-model-cpu-fp32" / "genai_config.json").is_file()

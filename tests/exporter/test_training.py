@@ -82,3 +82,22 @@ def test_a_lora_run_exports_every_second_save_and_trains_as_without_it(tmp_path)
 def test_every_must_be_positive():
     with pytest.raises(ValueError, match="every must be 1 or more"):
         ExportOnSave(every=0)
+
+
+def test_a_failed_export_can_warn_and_let_training_go_on(tmp_path):
+    model, tokenizer = _tiny_llama()
+    (tmp_path / "a-file").write_text("not a folder")
+    callback = ExportOnSave(folder=str(tmp_path / "a-file" / "{checkpoint}"), on_error="warn")
+    trainer = _train(model, tokenizer, tmp_path / "run", [callback], save_steps=2)
+    assert trainer.state.global_step == 4 and callback.exported == []
+    assert [f.split(":")[0] for f in callback.failures] == ["checkpoint-2", "checkpoint-4"]
+    assert "is a file" in callback.failures[0]
+
+
+def test_a_wrong_ep_or_precision_fails_before_training():
+    from exporter import ExporterError
+
+    with pytest.raises(ExporterError, match="unknown EP 'tpu'"):
+        ExportOnSave(ep="tpu")
+    with pytest.raises(ExporterError, match="does not run precision"):
+        ExportOnSave(ep="webgpu", precision="bf16")
