@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="int4: with zero points (default symmetric)")
     parser.add_argument("--int4-accuracy-level", type=int, choices=range(5), metavar="0-4",
                         help="int4: MatMulNBits accuracy level (4 = int8 compute; default: 4 on cpu, 0 elsewhere)")
+    parser.add_argument("--max-length", type=int, metavar="N",
+                        help="the context GenAI allocates and generates to (genai_config's context_length and "
+                             "max_length; default: the model's own, capped by the EP's default, `list`); the "
+                             "report gives the KV cache's size at it")
     parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds an earlier package")
     parser.add_argument("--full-logits", action="store_true",
                         help="output logits for every position (for scoring); by default only each "
@@ -91,7 +95,9 @@ def _list(argv: list[str]) -> int:
     for name, profile in PROFILES.items():
         capture = "graph capture on" if profile.graph_capture else "no graph capture"
         limit = f"; buffers <= {profile.max_buffer_size // 2**20} MiB" if profile.max_buffer_size else ""
-        print(f"  {name:<20} {profile.description}; precisions: {', '.join(profile.precisions)}; {capture}{limit}")
+        length = f"; max length {profile.max_length} by default" if profile.max_length else ""
+        print(f"  {name:<20} {profile.description}; precisions: {', '.join(profile.precisions)}; "
+              f"{capture}{limit}{length}")
     return 0
 
 
@@ -250,6 +256,7 @@ def _export(args, output: Path, int4) -> int:
             text_only=args.text_only,
             int4_encoders=args.int4_encoders,
             progress=True,
+            max_length=args.max_length,
         )
     except ExporterError as error:
         if args.debug:

@@ -33,6 +33,14 @@ def _token_ids(value) -> int | list[int] | None:
     return int(value)
 
 
+def chosen_context_length(layout: DecoderLayout, profile: EpProfile) -> int:
+    """genai_config's context_length and search.max_length: the model's own, capped by the
+    profile's max_length (the EP's default cap, or --max-length)."""
+    if profile.max_length is None:
+        return layout.context_length
+    return min(layout.context_length, profile.max_length)
+
+
 def build_genai_config(
     layout: DecoderLayout,
     profile: EpProfile,
@@ -54,9 +62,7 @@ def build_genai_config(
         raise ExporterError(
             "the model has no eos_token_id; set model.generation_config.eos_token_id before exporting"
         )
-    context_length = layout.context_length
-    if profile.max_length is not None:
-        context_length = min(context_length, profile.max_length)
+    context_length = chosen_context_length(layout, profile)
     model = {
         "bos_token_id": bos,
         "context_length": context_length,

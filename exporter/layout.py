@@ -40,6 +40,11 @@ class DecoderLayout:
     def kv_layer_indices(self) -> tuple[int, ...]:
         return tuple(layer.index for layer in self.kv_layers)
 
+    def kv_cache_bytes(self, slots: int, element_bytes: int, batch_size: int = 1) -> int:
+        """Bytes of the KV cache (keys and values of every KV-owning layer) for ``slots`` positions."""
+        per_slot = sum(2 * layer.num_kv_heads * layer.head_dim for layer in self.kv_layers)
+        return batch_size * slots * per_slot * element_bytes
+
     @property
     def shared_layer_indices(self) -> tuple[int, ...]:
         owning = set(self.kv_layer_indices)

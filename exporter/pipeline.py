@@ -19,6 +19,7 @@ from exporter.errors import ExporterBug, ExporterError, environment_error
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
     build_genai_config,
+    chosen_context_length,
     genai_model_type,
 )
 from exporter.layout import DecoderLayout
@@ -66,6 +67,7 @@ class ExportedPackage:
             "seconds": round(report.total_seconds, 3),
             "layers": self.layout.num_layers,
             "kv_cache_layers": len(self.layout.kv_layers),
+            "kv_cache": report.kv_cache,
             "sessions": {
                 name: {
                     "file": session.filename,
@@ -106,6 +108,7 @@ def export(
     processor: Any = None,
     on_stage: Callable[[str, StageRecord | None], None] | None = None,
     progress: bool = False,
+    max_length: int | None = None,
 ) -> ExportedPackage:
     """Export a decoder LM to an ONNX Runtime GenAI package in ``output_dir``.
 
@@ -124,13 +127,18 @@ def export(
     multimodal package (decoder, embedding, vision and speech sessions) unless ``text_only``; an
     in-memory one then needs its ``processor`` (or the processor's folder) for the image and audio
     settings. ``int4_encoders`` quantizes the vision and speech towers too at ``precision="int4"``
-    (by default they stay at the activation precision).
+    (by default they stay at the activation precision). ``max_length`` caps the context GenAI
+    allocates and generates to (genai_config's context_length and search.max_length); by default
+    the model's own, capped by the profile's default (webgpu: 4096, since under graph capture the
+    whole KV buffer is allocated up front). The report gives the KV cache's bytes at that length.
     """
     profile = _profile(ep)
     precision = choose_precision(profile, precision)
     int4 = int4_options(profile, precision, int4)
     if int4_encoders and precision != "int4":
         raise ExporterError(f"int4_encoders applies to precision int4, not {precision}")
+    if max_length is not None and max_length < 1:
+        raise ExporterError(f"max_length must be 1 or more, not {max_length}")
     output_dir = Path(output_dir)
     target = destination.check_destination(output_dir, overwrite)
     display = ProgressDisplay() if progress else None
@@ -139,7 +147,9 @@ def export(
     with stages.stage("load"):
         options = LoadOptions(allow_pickled_weights, trust_remote_code, random_weights, strict, text_only)
         loaded = load(model, tokenizer, options, processor)
-        prepared = prepare(loaded, PRECISIONS[precision].compute_dtype(profile))
+        compute_dtype = PRECISIONS[precision].compute_dtype(profile)
+        prepared = prepare(loaded, compute_dtype)
+    profile = _with_max_length(profile, max_length, prepared.layout)
     settings = export_settings(profile, prepared.layout, precision, graph_capture=graph_capture,
                                full_logits=full_logits, int4=int4, multimodal=loaded.multimodal,
                                int4_encoders=int4_encoders)
@@ -147,6 +157,9 @@ def export(
     tokenizer_bytes = _tokenizer_bytes(loaded.tokenizer)
     destination.require_space(target, _fewest_weight_bytes(prepared, settings, plan) + tokenizer_bytes)
     report = _new_report(loaded, settings, plan)
+    length = chosen_context_length(settings.layout, profile)
+    report.kv_cache = {"max_length": length, "element_bytes": compute_dtype.itemsize,
+                       "bytes": settings.layout.kv_cache_bytes(length, compute_dtype.itemsize)}
 
     models, attached, read = {}, 0, set()
     for session_plan in plan.sessions:
@@ -248,6 +261,15 @@ def _export_session(session, session_plan, loaded, prepared, settings: ExportSet
 def _stage(step: str, session, settings: ExportSettings) -> str:
     """A step's stage name: the step itself in a one-session package, ``step:session`` otherwise."""
     return f"{step}:{session.name}" if settings.multimodal else step
+
+
+def _with_max_length(profile: EpProfile, max_length: int | None, layout: DecoderLayout) -> EpProfile:
+    if max_length is None:
+        return profile
+    if max_length > layout.context_length:
+        raise ExporterError(f"max_length {max_length} is over the model's context length ({layout.context_length}, "
+                            f"its max_position_embeddings); choose at most {layout.context_length}")
+    return dataclasses.replace(profile, max_length=max_length)
 
 
 def _profile(ep: str | EpProfile) -> EpProfile:

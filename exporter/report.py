@@ -69,6 +69,8 @@ class ExportReport:
     sessions: dict[str, SessionReport] = field(default_factory=dict)  # in package order
     files: dict[str, dict] = field(default_factory=dict)  # path -> {"bytes", "sha256"}
     notes: list[str] = field(default_factory=list)
+    # The KV cache at genai_config's max_length: {"max_length", "element_bytes", "bytes"} (batch 1).
+    kv_cache: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
@@ -109,6 +111,7 @@ class ExportReport:
             "plan": self.plan,
             "sessions": {name: dataclasses.asdict(session) for name, session in self.sessions.items()},
             "files": self.files,
+            "kv_cache": self.kv_cache,
             "notes": self.notes,
         }
 
@@ -123,6 +126,9 @@ class ExportReport:
             f"KV-shared layers: {self.layout['num_kv_shared_layers']}",
             f"- total: {self.total_seconds:.1f} s",
         ]
+        if self.kv_cache:
+            lines.append(f"- KV cache at max_length {self.kv_cache['max_length']}: "
+                         f"{self.kv_cache['bytes'] / mib:.1f} MiB per sequence")
         lines += [f"- note: {note}" for note in self.notes]
         lines += ["", "## Stages", "", "| stage | seconds | peak RSS MiB |", "|---|---:|---:|"]
         lines += [

@@ -91,7 +91,7 @@ def test_the_readme_shows_commands():
 @pytest.mark.parametrize("command", ALL_COMMANDS)
 def test_every_option_the_readme_names_exists(command):
     program, rest = _subcommand(command.split())
-    shown = _help(tuple(program))
+    shown = _help(tuple(program)).split("\n\n")[0]  # the usage lines only: not options named in prose
     for option in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", " ".join(rest)):
         assert re.search(rf"(?<![\w-]){re.escape(option)}\b", shown), f"{option} (in `{command}`) is not in " \
                                                                       f"{' '.join(program[1:])} --help"
@@ -145,3 +145,12 @@ def test_ci_runs_the_readme_test_command():
     test_command = next(line for line in re.findall(r"```bash\n(.*?)```", README, re.S)[0].splitlines()
                         if "pytest" in line).strip()
     assert test_command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_the_console_script_names_itself():
+    script = Path(sys.executable).parent / "genai-exporter"
+    if not script.is_file():
+        pytest.skip("the console script is not installed beside this Python")
+    for argv, usage in ((["--help"], "usage: genai-exporter "), (["list", "--help"], "usage: genai-exporter list")):
+        done = subprocess.run([str(script), *argv], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.startswith(usage), done.stdout[:200]
