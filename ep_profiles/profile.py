@@ -47,6 +47,9 @@ class EpProfile:
         must run every node on the EP, with no shape computed on the CPU, at batch size 1; the
         export fails if it cannot make the graph so.
     max_length: a cap on genai_config's context_length / max_length, None for the model's own.
+    transposed_matmul: whether the EP runs ``com.microsoft.FusedMatMul`` with ``transB`` (a MatMul
+        reading its weight transposed): a tied LM head then reads the embedding table as stored,
+        which is kept once instead of twice. False keeps a transposed copy for the MatMul.
     int4_activations: the precision an int4 package (4-bit weights) computes in: "fp16" on GPUs,
         "fp32" where the EP's 4-bit kernels take fp32 activations best (CPU).
     int4_accuracy_level: MatMulNBits' default accuracy level (4: int8 compute, ONNX Runtime's fast
@@ -70,6 +73,7 @@ class EpProfile:
     graph_capture_option: str = ""
     graph_capture: bool = False
     max_length: int | None = None
+    transposed_matmul: bool = False
     int4_activations: str = "fp16"
     int4_accuracy_level: int = 0
 

@@ -22,6 +22,9 @@ CPU = EpProfile(
     past_present_share_buffer=True,
     int4_activations="fp32",
     int4_accuracy_level=4,
+    # Verified here; CUDA and DML list the kernel too but were not run. WebGPU (plugin 0.4.0) places
+    # FusedMatMul on the CPU.
+    transposed_matmul=True,
 )
 
 CUDA = EpProfile(

@@ -6,6 +6,7 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py --truncation          # prefill truncation on vs off, 128/512/1024
     python scripts/benchmark.py --fusions             # norm fusions on vs off (attention unchanged)
     python scripts/benchmark.py --attention           # GroupQueryAttention vs plain attention
+    python scripts/benchmark.py --tied-head           # tied LM head stored twice vs once
     python scripts/benchmark.py tiny-gemma-4 --graph-capture   # WebGPU decode, graph capture on vs off
 
 --truncation exports the model twice (last-token passes on, and off via full_logits), then times
@@ -46,6 +47,9 @@ def parse_args() -> argparse.Namespace:
                         help="compare GroupQueryAttention with plain attention: TTFT and decode at 512 tokens")
     parser.add_argument("--truncation", action="store_true",
                         help="compare prefill with the last-token passes on vs off (prompts 128/512/1024)")
+    parser.add_argument("--tied-head", action="store_true",
+                        help="compare a tied LM head stored twice (a transposed copy) with stored once "
+                             "(FusedMatMul transB): weights, TTFT and decode at the longest prompt")
     parser.add_argument("--graph-capture", action="store_true",
                         help="WebGPU EP (needs onnxruntime-ep-webgpu and an adapter): TTFT and decode with graph "
                              "capture on vs off (--no-graph-capture)")
@@ -287,6 +291,38 @@ def benchmark_fusions(args) -> None:
             print(f"| {length} | {unfused * 1000:.0f} | {fused * 1000:.0f} | {unfused / fused:.2f} |")
 
 
+def benchmark_tied_head(args) -> None:
+    """A tied LM head stored twice (the embedding table and a transposed copy for a MatMul) vs
+    once (FusedMatMul with transB reading the table as stored): package weights, TTFT and decode
+    tokens/s, alternating in one run."""
+    import dataclasses
+
+    from ep_profiles import get_profile
+    from exporter.sources import load
+
+    loaded = load(args.model)
+    if loaded.model.get_output_embeddings().weight is not loaded.model.get_input_embeddings().weight:
+        raise SystemExit(f"{args.model} has no tied LM head")
+    cpu = get_profile("cpu")
+    variants = {"stored twice": dataclasses.replace(cpu, name="cpu-transposed-copy", transposed_matmul=False),
+                "stored once": cpu}
+    length = args.prompt_lengths[-1]
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = {}
+        for index, (variant, profile) in enumerate(variants.items()):
+            print(f"exporting with the tied head {variant} ...", file=sys.stderr, flush=True)
+            packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, output_dir=Path(scratch) / str(index))
+        results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
+        print(f"\n## Tied LM head, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, "
+              f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)\n")
+        print("| tied head | weights MiB | TTFT ms | decode tokens/s | decode vs twice |\n|---|---:|---:|---:|---:|")
+        base_rate = statistics.median(results["stored twice"]["decode"])
+        for variant, package in packages.items():
+            ttft, rate = statistics.median(results[variant]["ttft"]), statistics.median(results[variant]["decode"])
+            weights = package.report.initializers["total_bytes"] / 2**20
+            print(f"| {variant} | {weights:.1f} | {ttft * 1000:.0f} | {rate:.1f} | {rate / base_rate:.2f}x |")
+
+
 def benchmark_truncation(args) -> None:
     from exporter.sources import load
 
@@ -328,6 +364,9 @@ def main() -> None:
         return
     if args.graph_capture:
         benchmark_graph_capture(args)
+        return
+    if args.tied_head:
+        benchmark_tied_head(args)
         return
     with tempfile.TemporaryDirectory() as scratch:
         output = args.output or Path(scratch) / "package"

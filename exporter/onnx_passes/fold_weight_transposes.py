@@ -12,8 +12,10 @@ class FoldWeightTransposes:
     (computed when written), so a MatMul reads its weight as stored instead of transposing it at
     every step. torch.onnx lowers linear layers that way, and constant folding leaves the
     Transpose of any weight over its size limit (every weight of a full-size model).
-    A weight that has other readers (a tied LM head) is folded too, stored twice, except in an
-    int4 export, whose quantizer stores a tied table once and reads it through the Transpose."""
+    A weight that has other readers (a tied LM head: the embedding's Gather reads it too) is kept
+    once where the EP runs a transposed MatMul: ``MatMul(x, Transpose(W))`` becomes
+    ``FusedMatMul(x, W, transB=1)``. Elsewhere it is folded too, stored twice, except in an int4
+    export, whose quantizer stores a tied table once and reads it through the Transpose."""
 
     name = "fold_weight_transposes"
 
@@ -22,7 +24,7 @@ class FoldWeightTransposes:
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
         fold_shared = facts.precision != "int4"
-        graph, folded = model.graph, 0
+        graph, folded, tied = model.graph, 0, 0
         for node in list(graph):
             if node.op_type != "Transpose" or node.domain != "":
                 continue
@@ -30,6 +32,9 @@ class FoldWeightTransposes:
             if source is None or not source.is_initializer() or source.const_value is None or source in graph.outputs:
                 continue
             shared = len(source.uses()) > 1
+            if shared and fold_shared and facts.profile.transposed_matmul and _read_as_transposed(node, graph):
+                tied += 1
+                continue
             if shared and not fold_shared:
                 continue
             tensor, out = source.const_value, node.outputs[0]
@@ -50,4 +55,29 @@ class FoldWeightTransposes:
                 graph.initializers.pop(source.name)
             graph.register_initializer(replacement)
             folded += 1
-        return {"weights_transposed": folded}
+        return {"weights_transposed": folded, "tied_weights_read_transposed": tied}
+
+
+def _read_as_transposed(transpose: ir.Node, graph: ir.Graph) -> bool:
+    """Where a 2-D ``Transpose(W)`` feeds only MatMuls as their B: each becomes
+    ``FusedMatMul(A, W, transB=1)`` and the Transpose goes; returns whether it did."""
+    weight, out = transpose.inputs[0], transpose.outputs[0]
+    if len(weight.shape) != 2 or list(transpose.attributes.get_ints("perm", [1, 0])) != [1, 0]:
+        return False
+    readers = [node for node, index in out.uses()]
+    if out in graph.outputs or not readers or any(
+            node.op_type != "MatMul" or node.domain != "" or node.inputs[1] is not out for node in readers):
+        return False
+    for matmul in readers:
+        product = matmul.outputs[0]
+        fused = ir.node("FusedMatMul", [matmul.inputs[0], weight], domain="com.microsoft",
+                        attributes={"transB": 1, "alpha": 1.0}, name=matmul.name)
+        result = fused.outputs[0]
+        result.shape, result.type = product.shape, product.type
+        graph.insert_before(matmul, fused)
+        name = product.name
+        ir.convenience.replace_all_uses_with(product, result, replace_graph_outputs=True)
+        graph.remove(matmul, safe=True)
+        product.name, result.name = None, name
+    graph.remove(transpose, safe=True)
+    return True
