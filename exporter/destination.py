@@ -8,10 +8,12 @@ it, and swapped in at the end without deleting anything the exporter did not che
   from a killed export and is removed; one without the lock file was not made by this exporter
   and is left alone.
 - Swap: the old package is moved aside into the staging folder (``previous/``, under the same
-  lock), checked to be what was checked at the start (the same folder, the same entries), the new
-  one moved in, and only then the old one deleted. If ``-o`` changed meanwhile, nothing is
-  replaced and the error says so. An export killed between the two moves leaves the old package
-  in ``previous/`` with ``-o`` absent: the next export of that destination moves it back.
+  lock), checked to be what was checked at the start (the same folder, the same entries, nothing
+  its export did not write), the new one moved in, and only then the old one renamed
+  ``superseded/`` and deleted. If ``-o`` changed meanwhile, nothing is replaced and the error says
+  so. An export killed between the two moves leaves the old package in ``previous/`` with
+  ``-o`` absent and the new one in ``package/``: the next export of that destination moves the
+  old one back. A ``previous/`` in any other state is kept, never deleted.
 """
 
 from __future__ import annotations
@@ -200,10 +202,10 @@ def remove_stale_staging(path: Path) -> list[Path]:
             continue  # an export still runs there
         previous = candidate / _PREVIOUS
         if previous.is_dir():
-            if not os.path.lexists(path):
-                os.rename(previous, path)  # killed mid-swap: the old package goes back where it was
-            elif (candidate / "package").is_dir():
-                continue  # killed mid-swap and -o made anew since: the old package is kept here
+            if not (candidate / "package").is_dir() or os.path.lexists(path):
+                # The swap's state is unclear, or -o was made anew since: the old package is kept.
+                continue
+            os.rename(previous, path)  # killed mid-swap: the old package goes back where it was
         shutil.rmtree(candidate, ignore_errors=True)
         removed.append(candidate)
     return removed
@@ -217,23 +219,21 @@ def _swap_in(staging: Path, destination: Destination, aside: Path) -> None:
     path = destination.path
     changed = ExporterError(f"-o '{path}' changed while the export ran (created, deleted or written to); "
                             "it was left as it is and nothing was written: run the export again")
-    replacing = destination.state is not None
     try:
-        if replacing:
+        if destination.state is not None:
             os.rename(path, aside)
-    except OSError as error:
-        if error.errno in _TAKEN:  # -o was deleted or replaced by a file meanwhile
-            raise changed from error
-        raise
-    try:
-        if replacing and _state(aside)[1:] != destination.state[1:]:
-            raise changed
+            # Still the folder checked up front, and (checked again now) nothing in it the
+            # package's own export did not write.
+            if _state(aside)[1:] != destination.state[1:] or _not_from_the_export(aside):
+                raise changed
         # rename fails on anything that appeared at an absent -o meanwhile, except an empty folder.
         os.rename(staging, path)
     except BaseException as error:
-        if replacing and staging.exists():  # not swapped in (a signal may come just after the swap)
+        # Also on Ctrl-C or SIGTERM, even one that lands as a rename returns: moved aside and the
+        # new package not in (it is still in staging) means -o goes back as it was.
+        if aside.exists() and staging.exists():
             try:
-                os.rename(aside, path)  # also on Ctrl-C or SIGTERM: -o is never left missing
+                os.rename(aside, path)
             except OSError as restore_error:
                 # Something took -o's place between the two renames: the old package stays aside.
                 raise ExporterError(f"-o '{path}' was created again while the export swapped it in; the old "
@@ -242,4 +242,9 @@ def _swap_in(staging: Path, destination: Destination, aside: Path) -> None:
         if isinstance(error, OSError) and error.errno in _TAKEN:
             raise changed from error
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    if destination.state is not None:
+        # Renamed first: a previous/ left by an interrupted delete could not be told from an old
+        # package kept on purpose, and the cleanup never deletes those.
+        superseded = aside.with_name("superseded")
+        os.rename(aside, superseded)
+        shutil.rmtree(superseded, ignore_errors=True)

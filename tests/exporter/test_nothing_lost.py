@@ -453,6 +453,23 @@ def test_an_interrupted_swap_puts_the_old_package_back(exported, checkpoint, tmp
     assert _left_beside(tmp_path) == []
 
 
+def test_ctrl_c_as_the_old_package_is_moved_aside_puts_it_back(exported, checkpoint, tmp_path, capsys, monkeypatch):
+    out = shutil.copytree(exported, tmp_path / "out")
+    (out / "model.onnx.data").write_bytes(b"old")
+    real_rename = os.rename
+
+    def rename(source, target):
+        real_rename(source, target)
+        if Path(source) == out and Path(target).name == "previous":
+            raise KeyboardInterrupt  # lands just as the rename returns
+
+    monkeypatch.setattr(destination.os, "rename", rename)
+    code, _ = _run_cli([checkpoint, "-o", out, "--overwrite"], capsys)
+    assert code == 130
+    assert (out / "model.onnx.data").read_bytes() == b"old"
+    assert _left_beside(tmp_path) == []
+
+
 def test_a_package_left_aside_by_a_killed_swap_is_moved_back(exported, checkpoint, tmp_path, capsys):
     # What SIGKILL between the swap's two renames leaves: -o absent, the old package in previous/.
     stale = tmp_path / ".out.partial-killed_1"
