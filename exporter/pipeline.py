@@ -184,9 +184,7 @@ def export(
 
 def _write_package(staging: Path, models, loaded, settings: ExportSettings, report: ExportReport,
                    stages: StageLog, display: ProgressDisplay | None) -> None:
-    tensors, weight_bytes = map(sum, zip(*(package.external_tensors(m) for m in models.values()), strict=True))
-    with stages.stage("package"), (display.writing(tensors, weight_bytes) if display
-                                   else contextlib.nullcontext(None)) as on_tensor:
+    with stages.stage("package"), _write_progress(display, models) as on_tensor:
         sections = {}
         for name, onnx_model in models.items():
             session = SESSIONS[name]
@@ -205,6 +203,15 @@ def _write_package(staging: Path, models, loaded, settings: ExportSettings, repo
 # tiny Gemma 4), and the configs and report (a few KiB for the tiny models, under 1 MiB for E2B).
 _GRAPH_BYTES_PER_NODE = 1024
 _CONFIG_AND_REPORT_BYTES = 1 << 20
+
+
+def _write_progress(display: ProgressDisplay | None, models) -> contextlib.AbstractContextManager:
+    """The display's write bar over the tensors the package writer writes externally (nothing
+    without a display)."""
+    if display is None:
+        return contextlib.nullcontext(None)
+    tensors, weight_bytes = map(sum, zip(*(package.external_tensors(m) for m in models.values()), strict=True))
+    return display.writing(tensors, weight_bytes)
 
 
 def _package_bytes(report: ExportReport, tokenizer_bytes: int) -> int:

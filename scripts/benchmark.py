@@ -213,6 +213,15 @@ def alternating_ttft(packages: dict, lengths, repeats) -> dict[str, dict[int, li
     return times
 
 
+def export_variants(loaded, variants: dict, scratch: str, what: str = "") -> dict:
+    """One package per profile variant of the same loaded model, into ``scratch``."""
+    packages = {}
+    for index, (variant, profile) in enumerate(variants.items()):
+        print(f"exporting {what}{variant} ...", file=sys.stderr, flush=True)
+        packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, output_dir=Path(scratch) / str(index))
+    return packages
+
+
 def alternating_generation(packages: dict, length: int, decode_tokens: int, repeats: int):
     """TTFT and decode tokens/s of each package for one prompt length, variants taking turns
     (order flipped every repeat), one discarded warm-up each."""
@@ -265,10 +274,7 @@ def benchmark_attention(args) -> None:
     }
     length = args.prompt_lengths[-1]
     with tempfile.TemporaryDirectory() as scratch:
-        packages = {}
-        for index, (variant, profile) in enumerate(variants.items()):
-            print(f"exporting with {variant} attention ...", file=sys.stderr, flush=True)
-            packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, output_dir=Path(scratch) / str(index))
+        packages = export_variants(loaded, variants, scratch, "with attention: ")
         results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
         print(f"\n## Attention, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, "
               f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)\n")
@@ -323,10 +329,7 @@ def benchmark_fusions(args) -> None:
     cpu = get_profile("cpu")
     variants = {"unfused": dataclasses.replace(cpu, name="cpu-unfused", norm_fusions=()), "fused": cpu}
     with tempfile.TemporaryDirectory() as scratch:
-        packages = {}
-        for variant, profile in variants.items():
-            print(f"exporting {variant} ...", file=sys.stderr, flush=True)
-            packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, output_dir=Path(scratch) / variant)
+        packages = export_variants(loaded, variants, scratch)
         times = alternating_ttft(packages, args.prompt_lengths, args.repeats)
         nodes = {v: sum(p.report.op_counts.values()) for v, p in packages.items()}
         print(f"\n## ONNX fusions, {args.model}, ONNX Runtime GenAI CPU fp32 (median of {args.repeats}, alternating)\n")
@@ -354,10 +357,7 @@ def benchmark_tied_head(args) -> None:
                 "stored once": cpu}
     length = args.prompt_lengths[-1]
     with tempfile.TemporaryDirectory() as scratch:
-        packages = {}
-        for index, (variant, profile) in enumerate(variants.items()):
-            print(f"exporting with the tied head {variant} ...", file=sys.stderr, flush=True)
-            packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, output_dir=Path(scratch) / str(index))
+        packages = export_variants(loaded, variants, scratch, "with the tied head ")
         results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
         print(f"\n## Tied LM head, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, "
               f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)\n")

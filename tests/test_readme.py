@@ -26,14 +26,18 @@ README = (ROOT / "README.md").read_text()
 _PROGRAMS = ("python -m exporter", "genai-exporter", "python scripts/")
 
 
-def _fenced_lines() -> list[str]:
+def _fenced_lines_of(match: re.Match) -> list[str]:
+    if match.group(1) not in ("", "bash"):
+        return []
     lines = []
-    for language, body in re.findall(r"```(\w*)\n(.*?)```", README, re.S):
-        if language not in ("", "bash"):
-            continue
-        for line in body.splitlines():
-            line = re.sub(r"\s+#.*$", "", line).strip()
-            lines += [part.strip() for part in line.split("&&")]
+    for line in match.group(2).splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        lines += [part.strip() for part in line.split("&&")]
+    return lines
+
+
+def _fenced_lines() -> list[str]:
+    lines = [line for match in re.finditer(r"```(\w*)\n(.*?)```", README, re.S) for line in _fenced_lines_of(match)]
     return [line for line in lines if line.startswith(_PROGRAMS)]
 
 
@@ -118,16 +122,6 @@ def _runnable() -> list[tuple[str, list[str]]]:
             else:
                 runs.append((command, [*program, *rest]))
     return runs
-
-
-def _fenced_lines_of(match: re.Match) -> list[str]:
-    if match.group(1) not in ("", "bash"):
-        return []
-    lines = []
-    for line in match.group(2).splitlines():
-        line = re.sub(r"\s+#.*$", "", line).strip()
-        lines += [part.strip() for part in line.split("&&")]
-    return lines
 
 
 RUNNABLE = _runnable()

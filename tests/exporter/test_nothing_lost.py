@@ -389,18 +389,28 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def test_sigterm_while_writing_leaves_nothing(checkpoint, tmp_path):
+def _sigterm_once_ready(script: str, checkpoint: Path, tmp_path: Path, while_ready=lambda: None):
+    """Runs the export ``script`` (which writes tmp_path/ready when it reaches the point to stop
+    at), calls ``while_ready``, sends SIGTERM; returns the exit code and stderr."""
     ready, out = tmp_path / "ready", tmp_path / "out"
-    process = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, str(ready), str(checkpoint), "-o", str(out)],
+    process = subprocess.Popen([sys.executable, "-c", script, str(ready), str(checkpoint), "-o", str(out)],
                                cwd=ROOT, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ready.exists(), process.stderr.read() if process.poll() is not None else "the export never wrote"
-    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name], "writing goes to a staging folder"
+    assert ready.exists(), process.stderr.read() if process.poll() is not None else "the export never got there"
+    while_ready()
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
-    assert process.returncode == 143
+    return process.returncode, err
+
+
+def test_sigterm_while_writing_leaves_nothing(checkpoint, tmp_path):
+    def writes_to_staging():
+        assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name], "writing goes to a staging folder"
+
+    code, err = _sigterm_once_ready(_SLOW_WRITE, checkpoint, tmp_path, writes_to_staging)
+    assert code == 143
     assert err.strip().splitlines()[-1] == "error: terminated; nothing was written"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ready"]
 
@@ -421,16 +431,8 @@ sys.exit(main(sys.argv[2:]))
 
 
 def test_sigterm_while_tracing_leaves_nothing(checkpoint, tmp_path):
-    ready, out = tmp_path / "ready", tmp_path / "out"
-    process = subprocess.Popen([sys.executable, "-c", _SLOW_TRACE, str(ready), str(checkpoint), "-o", str(out)],
-                               cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ready.exists(), process.stderr.read() if process.poll() is not None else "the export never traced"
-    process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=60)
-    assert process.returncode == 143
+    code, err = _sigterm_once_ready(_SLOW_TRACE, checkpoint, tmp_path)
+    assert code == 143
     assert err.strip().splitlines()[-1] == "error: terminated; nothing was written"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ready"]
 
