@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from exporter.experts import traceable_experts
+
 
 @dataclass(frozen=True)
 class KvLayer:
@@ -72,7 +74,7 @@ def derive_layout(model: PreTrainedModel) -> DecoderLayout:
     cache = DynamicCache()
     param = next(model.parameters())
     probe_ids = torch.zeros((1, 2), dtype=torch.long, device=param.device)
-    with torch.no_grad(), eval_mode(model):
+    with torch.no_grad(), eval_mode(model), traceable_experts(model):
         model(input_ids=probe_ids, cache=cache, use_cache=True)
 
     kv_layers = []
@@ -83,7 +85,8 @@ def derive_layout(model: PreTrainedModel) -> DecoderLayout:
         _, num_kv_heads, _, head_dim = keys.shape
         kv_layers.append(KvLayer(index, int(num_kv_heads), int(head_dim)))
     if not kv_layers:
-        raise RuntimeError("the model stored nothing in its KV cache; is it a decoder LM?")
+        raise RuntimeError("no layer stored keys in the cache (the exporter reads the KV layout from what the "
+                           "layers store in a transformers DynamicCache)")
 
     num_layers = int(config.num_hidden_layers)
     layer_types = getattr(config, "layer_types", None) or []

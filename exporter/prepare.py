@@ -12,7 +12,7 @@ import transformers
 
 from exporter import weights
 from exporter.compute_dtype import cast_like_from_pretrained
-from exporter.errors import ExporterError
+from exporter.errors import ExporterBug
 from exporter.layout import DecoderLayout, derive_layout
 from exporter.sources import LoadedModel
 
@@ -42,9 +42,12 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
     try:
         layout = derive_layout(decoder)
     except Exception as error:
-        raise ExporterError(
-            f"{type(model).__name__} could not run with a KV cache ({_first_line(error)}); "
-            "only decoder LMs with a transformers KV cache can be exported"
+        # The exporter's own step failed, whatever the cause: say which step, and what it raised.
+        raise ExporterBug(
+            f"the exporter's layout probe failed: running {type(decoder).__name__} on 2 tokens with a "
+            f"transformers DynamicCache, to read which layers keep a KV cache, raised "
+            f"{type(error).__name__}: {_first_line(error)} (rerun with --debug for the traceback; please report "
+            "it with the model's config)"
         ) from error
     saved_shapes = None
     if loaded.weights is not None:

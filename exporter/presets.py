@@ -160,6 +160,33 @@ def _small(config_class, **overrides):
     return lambda: config_class(**base)
 
 
+def _tiny_gemma4_moe_config():
+    """Gemma 4 26B-A4B's decoder structure (a dense MLP beside a routed-experts block in every
+    layer, no per-layer embeddings or KV sharing) in miniature."""
+    layer_types = ["sliding_attention"] * 3 + ["full_attention"]
+    return _gemma4(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types), layer_types=layer_types,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, vocab_size=512,
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, sliding_window=8, final_logit_softcapping=30.0,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        max_position_embeddings=2048, **_special_ids(),
+    )
+
+
+def _tiny_gemma3n_config():
+    """Gemma 3n's text decoder in miniature: AltUp streams, Laurel blocks, per-layer embeddings,
+    activation sparsity in the first layers and the last 2 of 6 layers KV-shared."""
+    layers = 6
+    return transformers.Gemma3nTextConfig(
+        hidden_size=64, intermediate_size=[128] * layers, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, vocab_size_per_layer_input=512,
+        hidden_size_per_layer_input=8, num_kv_shared_layers=2, laurel_rank=8, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.95, 0.95] + [0.0] * (layers - 2),
+        max_position_embeddings=2048, tie_word_embeddings=True, **_special_ids(),
+    )
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -214,6 +241,46 @@ PRESETS: dict[str, Preset] = {
                 attention_multiplier=0.25,
                 logits_scaling=8.0,
             ),
+        ),
+        Preset(
+            "tiny-qwen3-moe",
+            "4-layer Qwen3-MoE (4 routed experts, top 2, softmax router; layer 3 a dense MLP)",
+            _small(transformers.Qwen3MoeConfig, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, mlp_only_layers=[3], norm_topk_prob=True),
+        ),
+        Preset(
+            "tiny-mixtral",
+            "4-layer Mixtral (4 routed experts, top 2)",
+            _small(transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        ),
+        Preset(
+            "tiny-gemma-4-moe",
+            "Gemma 4 26B-A4B's decoder structure in miniature (a dense MLP and 4 routed experts, top 2, "
+            "in every layer)",
+            _tiny_gemma4_moe_config,
+            temper_qk_norm=True,
+        ),
+        Preset("tiny-gemma-3n", "Gemma 3n's text decoder in miniature (6 layers, 2 KV-shared; AltUp, Laurel, "
+               "per-layer embeddings, activation sparsity)", _tiny_gemma3n_config),
+        Preset(
+            "tiny-cohere",
+            "4-layer Cohere (parallel attention and MLP, mean-centred norms, interleaved rotary, logit scale)",
+            _small(transformers.CohereConfig, logit_scale=0.5, tie_word_embeddings=True),
+        ),
+        Preset(
+            "tiny-phi",
+            "4-layer Phi-2 style (parallel block, LayerNorm with bias, half the head rotated, q/k LayerNorms)",
+            _small(transformers.PhiConfig, num_key_value_heads=4, partial_rotary_factor=0.5, qk_layernorm=True),
+        ),
+        Preset(
+            "tiny-gpt-neox",
+            "4-layer GPT-NeoX (fused per-head qkv, parallel residual, a quarter of the head rotated)",
+            _small(transformers.GPTNeoXConfig, num_key_value_heads=None, rotary_pct=0.25),
+        ),
+        Preset(
+            "tiny-smollm3",
+            "4-layer SmolLM3 (every fourth layer without rotary: NoPE)",
+            _small(transformers.SmolLM3Config, no_rope_layer_interval=4),
         ),
     )
 }

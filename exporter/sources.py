@@ -305,7 +305,7 @@ def _streamed(path: Path, config, tokenizer: Any, options: LoadOptions, source: 
     weights = SafetensorsWeights(path, aliases)
     # Every saved tensor, parameters and persistent buffers alike, is in the checkpoint with its
     # shape, or a clear error now.
-    weights.match(model.state_dict(keep_vars=True))
+    weights.match(model)
     if config.get_text_config(decoder=True) is not config and (options.text_only or not is_multimodal(config)):
         weights.left_out = frozenset(_full_model_keys(config, options)) & set(weights.unmatched_keys())
         weights.left_out_why = "the multimodal model's other parts, which a text-only package does not use"

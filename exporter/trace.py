@@ -16,6 +16,7 @@ from torch.export import Dim, ExportedProgram
 from transformers import DynamicCache, PreTrainedModel, masking_utils
 from transformers.cache_utils import DynamicLayer
 
+from exporter.experts import traceable_experts
 from exporter.layout import DecoderLayout, eval_mode
 
 # torch.export specialises a dimension whose sample size is 0 or 1, so every dynamic dimension of
@@ -196,7 +197,7 @@ def trace(model: PreTrainedModel, layout: DecoderLayout, embeds: bool = False) -
         sample = embeds_inputs(model, sample, generator)
         dynamic_shapes = ({0: dynamic, 1: dynamic}, *dynamic_shapes)
         wrapper = GenAIEmbedsDecoder(model, layout)
-    with torch.no_grad(), eval_mode(model), ordered_string_sets(model):
+    with torch.no_grad(), eval_mode(model), ordered_string_sets(model), traceable_experts(model):
         program = torch.export.export(wrapper, sample, dynamic_shapes=dynamic_shapes, strict=False)
     return program, sample
 

@@ -37,6 +37,7 @@ import onnx_ir as ir
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from exporter.checkpoint_conversions import ConvertedTensors, plan_conversions
 from exporter.errors import ExporterError
 
 _PIECE = re.compile(r"^(?P<source>.+)\.use(?P<use>\d+)\.part(?P<part>\d+)$")
@@ -213,9 +214,12 @@ def _first_line(error: BaseException) -> str:
 class SafetensorsWeights:
     """A checkpoint folder's ``*.safetensors`` (sharded or not), read one tensor or slice at a time.
 
-    A saved tensor is found under its own name, an alias of it (tied weights), or, for a text model
-    taken out of a multimodal checkpoint, the one key that ends with the name's path below the
-    top module (``model.layers.0...`` in ``model.language_model.layers.0...``).
+    A saved tensor is found as transformers' ``from_pretrained`` would find it (its conversion
+    mapping: renamed keys, and tensors its converters build from several keys, such as per-expert
+    weights fused into one; ``checkpoint_conversions``), else under its own name, an alias of it
+    (tied weights), or, for a text model taken out of a multimodal checkpoint, the one key that ends
+    with the name's path below the top module (``model.layers.0...`` in
+    ``model.language_model.layers.0...``).
     """
 
     provides_buffers = True
@@ -235,18 +239,25 @@ class SafetensorsWeights:
         self.handles = {name: _open_safetensors(folder / name) for name in files}
         self.file_of = {key: name for name, handle in self.handles.items() for key in handle.keys()}
         self.key_for: dict[str, str] = {}  # saved tensor name -> checkpoint key, once matched
+        self.converted = ConvertedTensors({}, {})  # transformers' conversions, planned by match()
         # Keys of parts of the checkpoint the export leaves out on purpose, and why.
         self.left_out: frozenset[str] = frozenset()
         self.left_out_why = ""
 
-    def match(self, saved: dict[str, torch.Tensor]) -> None:
-        """Find the key of every saved tensor (``state_dict(keep_vars=True)``; meta tensors will
-        do) and check its shape and dtype: a missing, misshapen or unconvertible tensor is a
-        one-line error now, before anything is traced or written."""
+    def match(self, model: torch.nn.Module) -> None:
+        """Find the key(s) of every saved tensor of ``model`` (on meta will do) and check its shape
+        and dtype: a missing, misshapen or unconvertible tensor is a one-line error now, before
+        anything is traced or written."""
+        saved = model.state_dict(keep_vars=True)
         self._check_layer_counts(saved)
+        self.converted = plan_conversions(
+            model, {key: tuple(self._slice(key).get_shape()) for key in self.file_of})
         for name, tensor in saved.items():
+            if name in self.converted.groups:
+                self._check_converted(name, tensor)
+                continue
             key = self.key_of(name)
-            found = self.handles[self.file_of[key]].get_slice(key)
+            found = self._slice(key)
             stored, wanted = tuple(found.get_shape()), tuple(tensor.shape)
             where = f"checkpoint tensor '{key}' in {self.folder / self.file_of[key]}"
             if stored != wanted:
@@ -259,6 +270,21 @@ class SafetensorsWeights:
                     f"{where} is {found.get_dtype()}, which cannot become the model's {tensor.dtype} '{name}'"
                 )
         self._check_tied_copies_agree()
+
+    def _slice(self, key: str):
+        return self.handles[self.file_of[key]].get_slice(key)
+
+    def _check_converted(self, name: str, tensor: torch.Tensor) -> None:
+        group = self.converted.groups[name]
+        keys = group.keys
+        where = f"checkpoint tensors {_names(keys, 3)} (converted by transformers into '{name}')"
+        if group.shapes[name] != tuple(tensor.shape):
+            raise ExporterError(f"{where} give shape {list(group.shapes[name])}, the model needs "
+                                f"{list(tensor.shape)}; is it the checkpoint of this config?")
+        stored = {self._slice(key).get_dtype() for key in keys}
+        if any((dtype in _FLOAT_DTYPES) != tensor.is_floating_point() for dtype in stored):
+            raise ExporterError(f"{where} are {'/'.join(sorted(stored))}, which cannot become the model's "
+                                f"{tensor.dtype} '{name}'")
 
     def _check_layer_counts(self, saved: dict[str, torch.Tensor]) -> None:
         """A config and checkpoint with different numbers of layers say so in those terms: more in
@@ -295,19 +321,25 @@ class SafetensorsWeights:
         """Checkpoint keys no saved tensor of the model has (a tied duplicate, the same tensor
         saved under an alias, is had), less the parts left out on purpose."""
         names = set(self.key_for) | {alias for name in self.key_for for alias in self.aliases.get(name, ())}
-        had = set(self.key_for.values()) | (names & set(self.file_of))
+        had = (set(self.key_for.values()) | (names & set(self.file_of))
+               | {key for name in self.converted.groups for key in self.converted.keys_of(name)})
         return sorted(set(self.file_of) - had - self.left_out)
 
     def unread(self, read: set[str]) -> UnreadTensors:
         # A tied tensor is read under any of its names, and every key its names have is read with it.
         read_names = {alias for name in read for alias in self.aliases.get(name, [name])}
-        read_keys = {self.key_for[name] for name in read_names if name in self.key_for} | (read_names & set(self.file_of))
-        unused = sorted({key for name, key in self.key_for.items() if key not in read_keys})
+        read_keys = ({self.key_for[name] for name in read_names if name in self.key_for} | (read_names & set(self.file_of))
+                     | {key for name in read_names if name in self.converted.groups for key in self.converted.keys_of(name)})
+        had = {key for name in self.converted.groups for key in self.converted.keys_of(name)} | set(self.key_for.values())
+        unused = sorted(had - read_keys)
         left_out = sorted(self.left_out)
         return UnreadTensors(tuple(self.unmatched_keys()), tuple(unused), tuple(left_out), self.left_out_why)
 
     def key_of(self, name: str) -> str:
         if name in self.key_for:
+            return self.key_for[name]
+        if name in self.converted.renamed:
+            self.key_for[name] = self.converted.renamed[name]
             return self.key_for[name]
         for candidate in self.aliases.get(name, [name]):
             if candidate in self.file_of:
@@ -340,6 +372,9 @@ class SafetensorsWeights:
         return self._prefix
 
     def tensor(self, name: str, index: Index, dtype: torch.dtype) -> torch.Tensor:
+        if name in self.converted.groups:
+            whole = self.converted.read(name, lambda key: self.handles[self.file_of[key]].get_tensor(key))
+            return (whole if index is None else whole[index]).to(dtype)
         key = self.key_of(name)
         handle = self.handles[self.file_of[key]]
         values = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]

@@ -67,14 +67,47 @@ def axes_equal_to(node: Node, expr: sympy.Expr) -> list[int]:
 
 
 def ancestors(roots) -> set[Node]:
+    """Every node ``roots`` depend on, including in-place writes into a tensor they read: a
+    program traced by torch.export keeps ops such as ``copy_`` into a slice (Gemma 3n's AltUp
+    ``predictions[1:] += ...``), which have no users, so the dataflow alone would not show them.
+    Every write into a tensor's storage counts, whether it comes before or after the read: more
+    ancestors than needed, never fewer."""
+    roots = [r for r in roots if isinstance(r, Node)]
+    writes = _writes_by_base(roots[0].graph) if roots else {}
     seen: set[Node] = set()
-    stack = [r for r in roots if isinstance(r, Node)]
+    stack = list(roots)
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
             stack.extend(node.all_input_nodes)
+            stack.extend(writes.get(_storage_base(node), ()))
     return seen
+
+
+def _writes_by_base(graph) -> dict[Node, list[Node]]:
+    """The nodes that write in place into each tensor (by the node that made its storage)."""
+    writes: dict[Node, list[Node]] = {}
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, Node):
+                writes.setdefault(_storage_base(value), []).append(node)
+    return writes
+
+
+def _storage_base(node: Node) -> Node:
+    """Follow views (ops whose output aliases their first input, e.g. slice, select, view) to the
+    node whose output owns the storage."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], Node):
+        schema = getattr(node.target, "_schema", None)
+        alias = schema.returns[0].alias_info if schema is not None and len(schema.returns) == 1 else None
+        if alias is None:
+            break
+        node = node.args[0]  # a view, or an in-place op returning its (written) input
+    return node
 
 
 def layer_index(node: Node) -> int | None:

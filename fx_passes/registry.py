@@ -3,6 +3,7 @@
 
 from fx_passes.drop_noop_casts import DropNoopCasts
 from fx_passes.drop_runtime_asserts import DropRuntimeAsserts
+from fx_passes.fold_untranslatable_constants import FoldUntranslatableConstants
 from fx_passes.gather_last_token import GatherLastToken
 from fx_passes.split_oversized_weights import SplitOversizedWeights
 from fx_passes.substitute_group_query_attention import SubstituteGroupQueryAttention
@@ -11,6 +12,7 @@ from fx_passes.truncate_shared_kv_layers import TruncateSharedKvLayers
 FX_PASSES = {p.name: p for p in (
     DropRuntimeAsserts(),
     DropNoopCasts(),
+    FoldUntranslatableConstants(),
     SplitOversizedWeights(),
     SubstituteGroupQueryAttention(),
     GatherLastToken(),

@@ -33,6 +33,7 @@ from fx_passes.graph_facts import (
     graph_outputs,
     layer_index,
     sequence_symbol,
+    set_fake_value,
     token_input,
     user_input,
 )
@@ -98,12 +99,13 @@ class TruncateSharedKvLayers:
             axes = axes_equal_to(producer, seq)
             if not axes:
                 continue  # weights, caches (past + sequence long), scalars: the same for one token
-            if len(axes) > 1 or axes[0] == 0 or expr_of(value.shape[0]) != batch:
+            batch_axes = [axis for axis, size in enumerate(value.shape) if expr_of(size) == batch]
+            if len(axes) > 1 or len(batch_axes) != 1 or batch_axes[0] >= axes[0]:
                 raise PassDidNotApply(
                     f"{self.name}: cannot pick the last token of {producer.name} with shape "
                     f"{tuple(value.shape)} (needs one sequence axis after the batch axis)"
                 )
-            gathered = insert_last_token(graph, producer, mask, axes[0], context)
+            gathered = _insert_last_token_of(graph, producer, mask, batch_axes[0], axes[0], context)
             for consumer in consumers:
                 consumer.replace_input_with(producer, gathered)
             gathers += 1
@@ -172,6 +174,23 @@ class TruncateSharedKvLayers:
             node.args = torch.fx.node.map_aggregate(node.args, substitute)
             node.kwargs = torch.fx.node.map_aggregate(node.kwargs, substitute)
         return rewritten
+
+
+def _insert_last_token_of(graph, tensor: Node, mask: Node, batch_axis: int, seq_axis: int, context) -> Node:
+    """``last_token`` of ``tensor`` whose batch axis may come after other axes (Gemma 3n's AltUp
+    stack is [streams, batch, seq, hidden]): moved to the front for the gather and back after."""
+    if batch_axis == 0:
+        return insert_last_token(graph, tensor, mask, seq_axis, context)
+    rank = tensor.meta["val"].dim()
+    order = [batch_axis, *(axis for axis in range(rank) if axis != batch_axis)]
+    with graph.inserting_after(tensor):
+        front = graph.call_function(torch.ops.aten.permute.default, (tensor, order))
+    set_fake_value(front)
+    gathered = insert_last_token(graph, front, mask, order.index(seq_axis), context)
+    with graph.inserting_after(gathered):
+        back = graph.call_function(torch.ops.aten.permute.default, (gathered, [order.index(a) for a in range(rank)]))
+    set_fake_value(back)
+    return back
 
 
 def _is_key_length(expr: sympy.Expr, seq: sympy.Expr) -> bool:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.families import FAMILIES
+from helpers.families import FAMILIES, MIXTURE_OF_EXPERTS_FAMILIES
 
 from ep_profiles import get_profile
 from exporter.layout import derive_layout
@@ -58,9 +58,11 @@ def assert_same_results(inputs, got, want, tolerance=TOLERANCE):
             torch.testing.assert_close(got_kv[row, :, :count], want_kv[row][:, real[row]], rtol=0, atol=tolerance)
 
 
-# Families whose rotary GroupQueryAttention cannot take over (none today: Phi-3's partial-rotary
-# code path at full width is matched too).
-ROTATED_OUTSIDE_ATTENTION: set[str] = set()
+# Layers whose rotary embedding GroupQueryAttention does not apply itself, by family: Cohere
+# rotates interleaved pairs, Phi and GPT-NeoX only part of each head (Phi-3's partial-rotary code
+# path at full width is matched), so their q/k arrive rotated; SmolLM3's every fourth layer has no
+# rotary at all.
+ROTATED_OUTSIDE_ATTENTION = {"tiny-cohere": 4, "tiny-phi": 4, "tiny-gpt-neox": 4, "tiny-smollm3": 1}
 
 
 def _substituted(name, passes=PASSES, attention_rotary=True, profile=None):
@@ -82,8 +84,12 @@ def test_substitution_keeps_results(name):
     layout, program, cases, before, changes = _substituted(name)
     targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
     assert targets.count(GQA) == layout.num_layers == changes["layers"]
-    assert SDPA not in targets and torch.ops.aten.softmax.int not in targets
-    assert changes["rotary_in_attention_layers"] == (0 if name in ROTATED_OUTSIDE_ATTENTION else layout.num_layers)
+    assert SDPA not in targets
+    # Every softmax left is a mixture-of-experts router's (transformers' ...Router modules).
+    softmaxes = [n for n in program.graph.nodes if n.target is torch.ops.aten.softmax.int]
+    assert bool(softmaxes) == (name in MIXTURE_OF_EXPERTS_FAMILIES)
+    assert all(list(n.meta["nn_module_stack"].values())[-1][1].endswith("Router") for n in softmaxes)
+    assert changes["rotary_in_attention_layers"] == layout.num_layers - ROTATED_OUTSIDE_ATTENTION.get(name, 0)
     with torch.no_grad():
         for inputs, want in zip(cases, before, strict=True):
             assert_same_results(inputs, program.module()(*inputs), want)

@@ -1,4 +1,4 @@
-"""The decoder families the suite covers."""
+"""The decoder families the suite covers, and what their graphs are expected to hold."""
 
 # Every decoder family the suite covers, as built-in presets (all random weights, offline).
 FAMILIES = [
@@ -9,4 +9,26 @@ FAMILIES = [
     "tiny-phi3",
     "tiny-gemma2",
     "tiny-granite",
+    "tiny-qwen3-moe",
+    "tiny-mixtral",
+    "tiny-gemma-4-moe",
+    "tiny-gemma-3n",
+    "tiny-cohere",
+    "tiny-phi",
+    "tiny-gpt-neox",
+    "tiny-smollm3",
 ]
+
+# Families normalised by LayerNorm (ONNX's LayerNormalization), with no RMSNorm to fuse.
+LAYER_NORM_FAMILIES = {"tiny-phi", "tiny-gpt-neox"}
+
+# Families whose every norm is an RMSNorm with a scale (so every one fuses) and which compute no
+# other mean of squares or power: Gemma 4 (its value norm has no scale; its MoE router norms the
+# hidden state unscaled), Gemma 3n (AltUp rescales its streams by their RMS) and Cohere (its norms
+# centre on the mean first) keep some.
+PLAIN_RMS_NORM_FAMILIES = set(FAMILIES) - LAYER_NORM_FAMILIES - {
+    "tiny-gemma-4", "tiny-gemma-4-moe", "tiny-gemma-3n", "tiny-cohere"}
+
+# Families with routed-experts blocks: their routers' Softmax stays, and their experts multiply by
+# weights gathered per routed token.
+MIXTURE_OF_EXPERTS_FAMILIES = {"tiny-qwen3-moe", "tiny-mixtral", "tiny-gemma-4-moe"}
