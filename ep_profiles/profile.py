@@ -50,6 +50,9 @@ class EpProfile:
     transposed_matmul: whether the EP runs ``com.microsoft.FusedMatMul`` with ``transB`` (a MatMul
         reading its weight transposed): a tied LM head then reads the embedding table as stored,
         which is kept once instead of twice. False keeps a transposed copy for the MatMul.
+    mixture_of_experts_precisions: the precisions at which routed-experts blocks with SiLU-gated
+        experts become ONNX Runtime's ``com.microsoft.MoE``; empty: never (they stay MatMuls over
+        weights gathered per routed token).
     int4_activations: the precision an int4 package (4-bit weights) computes in: "fp16" on GPUs,
         "fp32" where the EP's 4-bit kernels take fp32 activations best (CPU).
     int4_accuracy_level: MatMulNBits' default accuracy level (4: int8 compute, ONNX Runtime's fast
@@ -74,6 +77,7 @@ class EpProfile:
     graph_capture: bool = False
     max_length: int | None = None
     transposed_matmul: bool = False
+    mixture_of_experts_precisions: tuple[str, ...] = ()
     int4_activations: str = "fp16"
     int4_accuracy_level: int = 0
 

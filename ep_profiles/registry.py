@@ -25,6 +25,10 @@ CPU = EpProfile(
     # Verified here; CUDA and DML list the kernel too but were not run. WebGPU (plugin 0.4.0) places
     # FusedMatMul on the CPU.
     transposed_matmul=True,
+    # ONNX Runtime 1.32's CPU MoE, measured here: SiLU-gated experts as interleaved fc1 rows match
+    # transformers at fp32 (an int4 package keeps its experts fp32 in it). Other EPs' kernels were
+    # not run, so their experts stay MatMuls.
+    mixture_of_experts_precisions=("fp32", "int4"),
 )
 
 CUDA = EpProfile(

@@ -249,6 +249,14 @@ PRESETS: dict[str, Preset] = {
                    moe_intermediate_size=32, mlp_only_layers=[3], norm_topk_prob=True),
         ),
         Preset(
+            "qwen3-moe-shape",
+            "Qwen3-MoE's routing (64 experts, top 8, softmax router) in 8 layers at hidden size 512, vocab "
+            "32768; for benchmarks",
+            _small(transformers.Qwen3MoeConfig, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                   head_dim=64, vocab_size=32768, max_position_embeddings=4096, num_experts=64,
+                   num_experts_per_tok=8, moe_intermediate_size=128, norm_topk_prob=True),
+        ),
+        Preset(
             "tiny-mixtral",
             "4-layer Mixtral (4 routed experts, top 2)",
             _small(transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),

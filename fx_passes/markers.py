@@ -316,7 +316,68 @@ def _windowed_attention_onnx(query, key_buffer, value_buffer, attention_mask, nu
     return op.Reshape(out, [0, 0, num_heads * head])
 
 
+@torch.library.custom_op("genai_exporter::mixture_of_experts", mutates_args=())
+def mixture_of_experts(
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    k: int,
+    normalize: bool,
+) -> torch.Tensor:
+    """A routed-experts block with SiLU-gated experts, as ONNX Runtime's ``com.microsoft.MoE``
+    computes it: softmax over the experts' logits (in float32), the ``k`` largest, renormalised to
+    sum to 1 where ``normalize``; each picked expert e computes ``down[e] @ (silu(g) * u)`` with
+    ``g, u`` the two halves of ``gate_up[e] @ x``; the outputs are summed with their routing
+    weights. hidden [tokens, hidden], router_logits [tokens, experts], gate_up
+    [experts, 2 * inner, hidden] (gate rows first, transformers' layout), down [experts, hidden,
+    inner]. Returns [tokens, hidden]."""
+    probabilities = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probabilities, k, dim=-1)  # [tokens, k]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    projected = torch.einsum("tkoh,th->tko", gate_up[experts].float(), hidden.float())  # [tokens, k, 2 * inner]
+    gate, up = projected.chunk(2, dim=-1)
+    out = torch.einsum("tkhi,tki->tkh", down[experts].float(), torch.nn.functional.silu(gate) * up)
+    return (out * weights[..., None]).sum(dim=1).to(hidden.dtype)
+
+
+@mixture_of_experts.register_fake
+def _(hidden, router_logits, gate_up, down, k, normalize):
+    return hidden.new_empty(hidden.shape)
+
+
+_MIXTURE_OF_EXPERTS = _contrib_op(
+    "MoE",
+    ["input", "router_probs", "fc1_experts_weights", "fc1_experts_bias?", "fc2_experts_weights"],
+    ["output"],
+    {"k": _ATTR.INT, "normalize_routing_weights": _ATTR.INT, "activation_type": _ATTR.STRING,
+     "swiglu_fusion": _ATTR.INT, "activation_alpha": _ATTR.FLOAT, "activation_beta": _ATTR.FLOAT,
+     "swiglu_limit": _ATTR.FLOAT},
+)
+
+
+def _mixture_of_experts_onnx(hidden, router_logits, gate_up, down, k: int, normalize: bool):
+    """ONNX Runtime's CPU MoE takes gated experts only as interleaved rows (gate 0, up 0, gate 1,
+    up 1, ...: ``swiglu_fusion=1``); its "swiglu" is ``g * sigmoid(alpha * g) * (u + beta)``
+    clamped to ``swiglu_limit``, SiLU gating with alpha 1, beta 0 and no limit. The interleave is
+    a Reshape/Transpose/Reshape of the stored weight, which ``fold_weight_transposes`` turns into
+    one initializer written in that order."""
+    shape = gate_up.shape
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        raise ValueError("mixture_of_experts needs static expert weight shapes")
+    experts, rows, width = shape
+    halves = op.Reshape(gate_up, op.Constant(value_ints=[experts, 2, rows // 2, width]))
+    interleaved = op.Reshape(op.Transpose(halves, perm=[0, 2, 1, 3]), op.Constant(value_ints=[experts, rows, width]))
+    return _MIXTURE_OF_EXPERTS(
+        hidden, router_logits, interleaved, None, down, k=k, normalize_routing_weights=int(normalize),
+        activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+        swiglu_limit=float("inf"),
+    )
+
+
 ONNX_TRANSLATIONS = {
+    torch.ops.genai_exporter.mixture_of_experts.default: _mixture_of_experts_onnx,
     torch.ops.genai_exporter.last_token.default: _last_token_onnx,
     torch.ops.genai_exporter.group_query_attention.default: _group_query_attention_onnx,
     torch.ops.genai_exporter.windowed_attention.default: _windowed_attention_onnx,

@@ -7,6 +7,7 @@ from fx_passes.fold_untranslatable_constants import FoldUntranslatableConstants
 from fx_passes.gather_last_token import GatherLastToken
 from fx_passes.split_oversized_weights import SplitOversizedWeights
 from fx_passes.substitute_group_query_attention import SubstituteGroupQueryAttention
+from fx_passes.substitute_mixture_of_experts import SubstituteMixtureOfExperts
 from fx_passes.truncate_shared_kv_layers import TruncateSharedKvLayers
 
 FX_PASSES = {p.name: p for p in (
@@ -15,6 +16,7 @@ FX_PASSES = {p.name: p for p in (
     FoldUntranslatableConstants(),
     SplitOversizedWeights(),
     SubstituteGroupQueryAttention(),
+    SubstituteMixtureOfExperts(),
     GatherLastToken(),
     TruncateSharedKvLayers(),
 )}

@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tied-head", action="store_true",
                         help="compare a tied LM head stored twice (a transposed copy) with stored once "
                              "(FusedMatMul transB): weights, TTFT and decode at the longest prompt")
+    parser.add_argument("--moe", action="store_true",
+                        help="compare routed experts as MatMuls over gathered weights (plain) with ONNX Runtime's "
+                             "MoE op: TTFT and decode at the longest prompt (default model: qwen3-moe-shape)")
     parser.add_argument("--graph-capture", action="store_true",
                         help="WebGPU EP (needs onnxruntime-ep-webgpu and an adapter): TTFT and decode with graph "
                              "capture on vs off (--no-graph-capture)")
@@ -369,6 +372,36 @@ def benchmark_tied_head(args) -> None:
             print(f"| {variant} | {weights:.1f} | {ttft * 1000:.0f} | {rate:.1f} | {rate / base_rate:.2f}x |")
 
 
+def benchmark_mixture_of_experts(args) -> None:
+    """Routed experts as traced (each routed token gathers its experts' weights for batched
+    MatMuls) vs ONNX Runtime's MoE op: TTFT and decode tokens/s, alternating in one run."""
+    import dataclasses
+
+    from ep_profiles import get_profile
+    from exporter.sources import load
+
+    model = "qwen3-moe-shape" if args.model == "gemma-4-e2b-shape" else args.model
+    loaded = load(model)
+    cpu = get_profile("cpu")
+    variants = {"plain": dataclasses.replace(cpu, name="cpu-plain-experts", mixture_of_experts_precisions=()),
+                "MoE op": cpu}
+    length = args.prompt_lengths[-1]
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = export_variants(loaded, variants, scratch, "with experts ")
+        fused = packages["MoE op"].report.op_counts.get("com.microsoft.MoE", 0)
+        if not fused:
+            raise SystemExit(f"{model}: no experts block became ONNX Runtime's MoE (see its report's notes)")
+        results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
+        print(f"\n## Mixture of experts, {model} ({fused} MoE blocks), ONNX Runtime GenAI CPU fp32, {length}-token "
+              f"prompt, {args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)\n")
+        print("| experts | ONNX nodes | TTFT ms | decode tokens/s | decode vs plain |\n|---|---:|---:|---:|---:|")
+        base_rate = statistics.median(results["plain"]["decode"])
+        for variant, package in packages.items():
+            ttft, rate = statistics.median(results[variant]["ttft"]), statistics.median(results[variant]["decode"])
+            nodes = sum(package.report.op_counts.values())
+            print(f"| {variant} | {nodes} | {ttft * 1000:.0f} | {rate:.1f} | {rate / base_rate:.2f}x |")
+
+
 def benchmark_truncation(args) -> None:
     from exporter.sources import load
 
@@ -413,6 +446,9 @@ def main() -> None:
         return
     if args.tied_head:
         benchmark_tied_head(args)
+        return
+    if args.moe:
+        benchmark_mixture_of_experts(args)
         return
     with tempfile.TemporaryDirectory() as scratch:
         output = args.output or Path(scratch) / "package"

@@ -1,5 +1,6 @@
-"""Store linear weights pre-transposed: ``Transpose(weight)`` becomes one transposed initializer,
-computed lazily when the package is written (a streamed weight is read once)."""
+"""Store weights in the layout their readers use: ``Transpose(weight)`` and ``Reshape(weight)``
+become one initializer, computed lazily when the package is written (a streamed weight is read
+once)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ class FoldWeightTransposes:
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
         fold_shared = facts.precision != "int4"
         graph, folded, tied = model.graph, 0, 0
-        for node in list(graph):
+        reshaped = 0
+        for node in list(graph):  # in topological order: a Reshape/Transpose chain folds link by link
+            if node.op_type == "Reshape" and node.domain == "":
+                reshaped += _fold_weight_reshape(node, graph)
+                continue
             if node.op_type != "Transpose" or node.domain != "":
                 continue
             source = node.inputs[0]
@@ -55,7 +60,35 @@ class FoldWeightTransposes:
                 graph.initializers.pop(source.name)
             graph.register_initializer(replacement)
             folded += 1
-        return {"weights_transposed": folded, "tied_weights_read_transposed": tied}
+        return {"weights_transposed": folded, "tied_weights_read_transposed": tied, "weights_reshaped": reshaped}
+
+
+def _fold_weight_reshape(node: ir.Node, graph: ir.Graph) -> int:
+    """``Reshape(weight, constant shape)`` whose weight feeds nothing else -> one lazy initializer
+    of that shape (ONNX Runtime's MoE reads its experts' gate and up rows interleaved: a
+    Reshape/Transpose/Reshape of the stored weight, folded into one weight stored that way)."""
+    source, out = node.inputs[0], node.outputs[0]
+    target = ir.convenience.get_const_tensor(node.inputs[1]) if len(node.inputs) > 1 else None
+    if (source is None or not source.is_initializer() or source.const_value is None or target is None
+            or len(source.uses()) > 1 or source in graph.outputs or node.attributes.get_int("allowzero", 0)):
+        return 0
+    tensor = source.const_value
+    dims = [int(d) for d in target.numpy().reshape(-1)]
+    dims = [tensor.shape[i] if d == 0 else d for i, d in enumerate(dims)]
+    shape = ir.Shape(np.empty(tuple(tensor.shape), dtype=np.uint8).reshape(dims).shape)  # resolves a -1
+    name = out.name
+
+    def reshaped(tensor=tensor, dims=tuple(shape), name=name) -> ir.TensorProtocol:
+        return ir.Tensor(np.ascontiguousarray(tensor.numpy().reshape(dims)), name=name)
+
+    lazy = ir.LazyTensor(reshaped, dtype=tensor.dtype, shape=shape, name=name)
+    replacement = ir.Value(name=name, shape=shape, type=ir.TensorType(tensor.dtype), const_value=lazy)
+    out.name = None
+    ir.convenience.replace_all_uses_with(out, replacement)
+    graph.remove(node, safe=True)
+    graph.initializers.pop(source.name)
+    graph.register_initializer(replacement)
+    return 1
 
 
 def _read_as_transposed(transpose: ir.Node, graph: ir.Graph) -> bool:

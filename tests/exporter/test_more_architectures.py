@@ -4,16 +4,23 @@ Gemma 3n's in-place AltUp writes and constant erfinv, and errors that name the e
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
+import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from test_parity import check_parity
+
+from ep_profiles import get_profile
 from exporter import ExporterError, export
 from exporter.cli import main
 from exporter.presets import build_preset
+from exporter.trace import input_names, make_inputs
 
 pytestmark = pytest.mark.l1
 
@@ -87,6 +94,39 @@ def test_the_shared_kv_region_sees_in_place_writes():
     assert writes and all(not n.users for n in writes)
     logits_ancestors = ancestors(graph_outputs(program)[:1])
     assert all(n in logits_ancestors for n in writes)
+
+
+@pytest.mark.l3
+@pytest.mark.l4
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_fused_and_plain_packages_agree(preset_exports, tmp_path, precision):
+    """ONNX Runtime's MoE against the plain form (a CPU profile without it): at fp32 both match
+    PyTorch (L3); at int4, where the other linear layers are 4-bit and the experts fp32 in both,
+    they match each other to fp32 tolerance, and the fused package's greedy tokens follow
+    transformers' (L4)."""
+    exported = preset_exports.get("tiny-qwen3-moe")
+    plain_cpu = dataclasses.replace(get_profile("cpu"), mixture_of_experts_precisions=())
+    packages = {}
+    for fused, profile in ((True, get_profile("cpu")), (False, plain_cpu)):
+        package = export(str(exported.checkpoint), ep=profile, precision=precision,
+                         output_dir=tmp_path / f"{precision}-{'fused' if fused else 'plain'}")
+        assert package.report.op_counts.get("com.microsoft.MoE", 0) == (3 if fused else 0)
+        packages[fused] = package
+        if precision == "fp32":
+            check_parity(package, exported.model)
+    if precision == "int4":
+        layout = packages[True].layout
+        generator = torch.Generator().manual_seed(0)
+        for batch, seq, past in ((1, 7, 0), (2, 1, 9)):
+            inputs = make_inputs(layout, batch, seq, past, generator=generator)
+            feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])], strict=True))
+            fused_out, plain_out = (ort.InferenceSession(str(packages[f].model_path)).run(None, feeds)
+                                    for f in (True, False))
+            for got, want in zip(fused_out, plain_out, strict=True):
+                np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+        # L4 for the int4 package with the MoE op: check's greedy comparison with transformers fp32
+        # (every token transformers' best, or within int4's near-tie bound of it).
+        assert main(["check", str(packages[True].path), "--against", str(exported.checkpoint)]) == 0
 
 
 def _fx_changes(report, name: str) -> dict:

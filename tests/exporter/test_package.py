@@ -75,10 +75,14 @@ def test_every_layer_is_group_query_attention(family_export):
     counts = package.report.op_counts
     assert counts["com.microsoft.GroupQueryAttention"] == layout.num_layers
     if family_export.name in MIXTURE_OF_EXPERTS_FAMILIES:
-        # The routers' Softmax only: each feeds a TopK (through a Cast to the compute dtype or not).
+        # Each experts block is ONNX Runtime's MoE, or stays plain behind its router's Softmax,
+        # which feeds a TopK (through a Cast to the compute dtype or not).
+        record = next(r for r in package.report.fx_passes if r["name"] == "substitute_mixture_of_experts")
+        fused, plain = record["changes"]["substituted_layers"], record["changes"]["plain_blocks"]
+        assert counts.get("com.microsoft.MoE", 0) == len(fused) and len(fused) + len(plain) > 0
         consumers = {i: n for n in graph.node for i in n.input}
         softmaxes = [n for n in graph.node if n.op_type == "Softmax"]
-        assert softmaxes
+        assert len(softmaxes) == len(plain)
         for softmax in softmaxes:
             after = consumers[softmax.output[0]]
             after = consumers[after.output[0]] if after.op_type == "Cast" else after

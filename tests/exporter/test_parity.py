@@ -47,7 +47,7 @@ def test_full_logits_package_matches_pytorch(preset_exports, tmp_path):
     exported = preset_exports.get("tiny-gemma-4")
     package = export(exported.model, exported.tokenizer, output_dir=tmp_path / "full", full_logits=True)
     assert [r["name"] for r in package.report.fx_passes] == [
-        "drop_runtime_asserts", "drop_noop_casts", "substitute_group_query_attention"]
+        "drop_runtime_asserts", "drop_noop_casts", "fold_untranslatable_constants", "substitute_group_query_attention"]
     check_parity(package, exported.model)
 
 

@@ -1,0 +1,230 @@
+"""Replace routed-experts blocks with ONNX Runtime's MoE op where the EP runs it.
+
+transformers traces a mixture-of-experts block (its ``batched_mm`` experts, ``exporter.experts``)
+as: the router's logits, a softmax, the top k, maybe renormalised; then each (token, expert) pair
+gathers its expert's whole weight matrices and multiplies them, and the outputs are summed with
+their routing weights. Per token that streams k experts' weights through a gather, and prefill
+gathers them once per token. ``com.microsoft.MoE`` routes and multiplies inside one kernel.
+
+The pass finds each block from the graph: the nodes traced in one experts module (its 3-D
+``gate_up_proj`` and ``down_proj`` read by ``index``), the top-k that picks its experts, and the
+softmax over the logits before it. It then checks that the block computes what the MoE op computes
+(``markers.mixture_of_experts``, the reference kernel) by running both on random weights and
+inputs, with and without renormalisation, and substitutes the one that matches. A block whose
+routing or experts differ (Gemma 4's per-expert scales and GELU-gated experts, transposed or biased
+experts) stays as traced, and the report says which and why.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.fx import Node
+
+from fx_passes import markers  # noqa: F401  (registers genai_exporter::mixture_of_experts)
+from fx_passes.base import PassContext
+from fx_passes.graph_facts import layer_index, probe_inputs
+
+_aten = torch.ops.aten
+_MIXTURE_OF_EXPERTS = torch.ops.genai_exporter.mixture_of_experts.default
+_PASS_THROUGH = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default, _aten.flatten.using_ints)
+_PROBE_TOKENS = 3
+_TOLERANCE = 1e-4  # float32 sums in another order; a different routing or activation is off by ~1e-1
+
+
+class _Block:
+    """One experts module's nodes and what feeds them."""
+
+    def __init__(self, path: str, nodes: list[Node], gate_up: Node, down: Node):
+        self.path, self.nodes, self.gate_up, self.down = path, nodes, gate_up, down
+        inside = set(nodes)
+        self.outputs = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                        and any(user not in inside for user in n.users)]
+        self.layer = next((i for i in map(layer_index, nodes) if i is not None), None)
+
+
+class SubstituteMixtureOfExperts:
+    name = "substitute_mixture_of_experts"
+
+    def applies(self, facts, session) -> str | None:
+        if not session.is_decoder or not facts.layout.routed_experts_blocks:
+            return None
+        if facts.precision not in facts.profile.mixture_of_experts_precisions:
+            return None
+        return f"{facts.profile.name} runs ONNX Runtime's MoE for SiLU-gated experts at {facts.precision}"
+
+    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict]:
+        graph = program.graph
+        substituted, plain = [], {}
+        for block in _experts_blocks(program):
+            found = _routing(block)
+            if isinstance(found, str):
+                plain[block.path] = found
+                continue
+            hidden, logits, k = found
+            normalize = _matching_normalisation(program, block, hidden, logits, k)
+            if normalize is None:
+                plain[block.path] = ("computes something else than softmax top-k routing over SiLU-gated experts "
+                                     "(checked on random weights)")
+                continue
+            (output,) = block.outputs
+            with graph.inserting_after(output):
+                fused = graph.call_function(_MIXTURE_OF_EXPERTS, (hidden, logits, block.gate_up, block.down, k, normalize))
+            fused.meta = {**output.meta, "val": output.meta["val"]}
+            output.replace_all_uses_with(fused)
+            substituted.append(block.layer if block.layer is not None else block.path)
+        if substituted:
+            graph.eliminate_dead_code()
+            graph.lint()
+            program.graph_module.recompile()
+        return program, {"blocks": len(substituted) + len(plain), "substituted_layers": substituted,
+                         "plain_blocks": plain}
+
+    def note(self, changes: dict) -> str | None:
+        if not changes["plain_blocks"]:
+            return None
+        reasons = sorted(set(changes["plain_blocks"].values()))
+        return (f"{len(changes['plain_blocks'])} of {changes['blocks']} mixture-of-experts blocks stay as traced "
+                f"MatMuls, not ONNX Runtime's MoE: each {'; or '.join(reasons)}")
+
+
+def _experts_blocks(program: ExportedProgram) -> list[_Block]:
+    """Every experts module whose stacked gate_up_proj and down_proj the graph indexes by expert."""
+    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
+               if spec.kind == InputKind.PARAMETER}
+    by_path: dict[str, dict[str, Node]] = {}
+    for node in program.graph.nodes:
+        if node.target is not _aten.index.Tensor or not isinstance(node.args[0], Node):
+            continue
+        target = targets.get(node.args[0].name, "")
+        for weight in ("gate_up_proj", "down_proj"):
+            if target.endswith("." + weight):
+                by_path.setdefault(_innermost_path(node), {})[weight] = node.args[0]
+    blocks = []
+    for path, weights in by_path.items():
+        if set(weights) != {"gate_up_proj", "down_proj"}:
+            continue
+        nodes = [n for n in program.graph.nodes if n.op == "call_function" and _within(n, path)]
+        blocks.append(_Block(path, nodes, weights["gate_up_proj"], weights["down_proj"]))
+    return blocks
+
+
+def _routing(block: _Block) -> tuple[Node, Node, int] | str:
+    """(the experts' input, the router's logits, k), or why the block does not have that form."""
+    if len(block.outputs) != 1:
+        return f"has {len(block.outputs)} outputs"
+    inside = set(block.nodes)
+    indexed = [n for n in block.nodes if n.target is _aten.index.Tensor and n.args[0] is block.gate_up]
+    if len(indexed) != 1 or not isinstance(indexed[0].args[1][0], Node):
+        return "does not gather its experts' weights once by expert id"
+    ids = indexed[0].args[1][0]
+    while ids in inside and ids.target in _PASS_THROUGH:
+        ids = ids.args[0]
+    top_k = ids.args[0] if ids.target is operator.getitem and ids.args[1] == 1 else None
+    if top_k is None or top_k.target is not _aten.topk.default:
+        return "takes expert ids that are not a top-k's indices"
+    k, dim, largest = (list(top_k.args[1:4]) + [-1, True])[:3]
+    softmax = top_k.args[0]
+    if dim not in (-1, softmax.meta["val"].dim() - 1) or not largest or softmax.target is not _aten.softmax.int:
+        return "routes by something other than the top k of a softmax over the experts"
+    logits = softmax.args[0]
+    hidden = [a for n in block.nodes for a in n.all_input_nodes
+              if a not in inside and a.op != "placeholder" and isinstance(a.meta.get("val"), torch.Tensor)
+              and a.meta["val"].dim() == 2 and a.meta["val"].shape[-1] == block.gate_up.meta["val"].shape[-1]]
+    if len(set(hidden)) != 1:
+        return "reads no single [tokens, hidden] input"
+    return hidden[0], logits, int(k)
+
+
+def _matching_normalisation(program: ExportedProgram, block: _Block, hidden: Node, logits: Node, k: int) -> bool | None:
+    """Whether the reference kernel matches the block with renormalised routing weights (True),
+    without (False), or neither (None), on random weights and inputs of the traced shapes."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = _symbol_sizes(program, probe_inputs(program, length=_PROBE_TOKENS))
+    given = {hidden: _random(hidden, sizes, generator), logits: _random(logits, sizes, generator)}
+    weights = {node: _random(node, sizes, generator) * 0.2 for node in (block.gate_up, block.down)}
+    try:
+        want = _evaluate(block.outputs[0], {**given, **weights}, program, sizes, generator)
+    except _NotEvaluable:
+        return None
+    for normalize in (True, False):
+        got = markers.mixture_of_experts(given[hidden], given[logits], weights[block.gate_up], weights[block.down],
+                                         k, normalize)
+        if got.shape == want.shape and torch.allclose(got, want, atol=_TOLERANCE, rtol=_TOLERANCE):
+            return normalize
+    return None
+
+
+class _NotEvaluable(Exception):
+    pass
+
+
+def _evaluate(target: Node, known: dict[Node, object], program: ExportedProgram, sizes, generator) -> torch.Tensor:
+    """Run the nodes between ``known`` values and ``target`` in program order (so in-place ops apply
+    where they did). Model inputs may only be read for their sizes (probe values), parameters the
+    block reads besides its experts' weights get random values; any other tensor from outside means
+    the block is not in the forms substituted."""
+    pending = _between(target, known)
+    user_inputs = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT}
+    for node in pending:
+        if node.op == "placeholder" and node.name in user_inputs and any(
+                user in pending and user.target is not _aten.sym_size.int for user in node.users):
+            raise _NotEvaluable(node.name)
+    probe = probe_inputs(program, length=_PROBE_TOKENS)
+    values = dict(known)
+    for node in sorted(pending, key=_order(program).__getitem__):
+        if node.op == "placeholder":
+            values[node] = probe[node.name] if node.name in user_inputs else _random(node, sizes, generator)
+        elif node.op == "call_function":
+            args = torch.fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
+            values[node] = node.target(*args, **kwargs)
+        else:
+            raise _NotEvaluable(node.name)
+    return values[target]
+
+
+def _between(target: Node, known: dict) -> set[Node]:
+    seen, stack = set(), [target]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in known:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _order(program: ExportedProgram) -> dict[Node, int]:
+    return {node: i for i, node in enumerate(program.graph.nodes)}
+
+
+def _symbol_sizes(program: ExportedProgram, probe: dict[str, torch.Tensor]) -> dict:
+    sizes = {}
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in probe:
+            for dim, size in zip(node.meta["val"].shape, probe[node.name].shape, strict=True):
+                if isinstance(dim, torch.SymInt) and isinstance(dim.node.expr, sympy.Symbol):
+                    sizes[dim.node.expr] = int(size)
+    return sizes
+
+
+def _random(node: Node, sizes: dict, generator: torch.Generator) -> torch.Tensor:
+    value = node.meta["val"]
+    shape = [int(d) if not isinstance(d, torch.SymInt) else int(d.node.expr.subs(sizes)) for d in value.shape]
+    return torch.randn(shape, generator=generator).to(value.dtype)
+
+
+def _innermost_path(node: Node) -> str:
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    return stack[-1][0] if stack else ""
+
+
+def _within(node: Node, path: str) -> bool:
+    inner = _innermost_path(node)
+    return inner == path or inner.startswith(path + ".")
+
