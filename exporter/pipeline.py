@@ -37,6 +37,7 @@ from exporter.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
+from fx_passes.substitute_group_query_attention import describe_plain_layers
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,8 @@ def export(
     models, attached, read = {}, 0, set()
     for session_plan in plan.sessions:
         session = SESSIONS[session_plan.name]
-        models[session.name], count, session_read = _export_session(session, session_plan, loaded, prepared,
-                                                                     settings, report, stages)
+        models[session.name], count, session_read, settings = _export_session(
+            session, session_plan, loaded, prepared, settings, report, stages)
         attached, read = attached + count, read | session_read
     if loaded.weights is not None:
         report.notes += weights.account(loaded.weights, attached, read, strict)
@@ -240,14 +241,15 @@ def _fewest_weight_bytes(prepared, settings: ExportSettings, plan: ExportPlan) -
 def _export_session(session, session_plan, loaded, prepared, settings: ExportSettings, report: ExportReport,
                     stages: StageLog):
     """One session: trace -> FX passes -> lower (weights attached lazily) -> ONNX passes ->
-    post-conditions. Returns its ONNX model, how many initializers read the checkpoint and which
-    saved tensors they read."""
+    post-conditions. Returns its ONNX model, how many initializers read the checkpoint, which
+    saved tensors they read, and the settings with the decoder layers that kept plain attention."""
     session_report = report.sessions[session.name] = SessionReport(session.filename(settings))
     attached, read = 0, set()
     with stages.stage(_stage("trace", session, settings)):
         traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
     with stages.stage(_stage("fx_passes", session, settings)):
         program = _run_fx_passes(traced.program, session, session_plan, settings, session_report, report)
+        settings = _with_plain_attention_layers(settings, session, session_report)
     with stages.stage(_stage("lower", session, settings)):
         onnx_model = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
                                session.input_names(settings), session.output_names(settings))
@@ -262,7 +264,22 @@ def _export_session(session, session_plan, loaded, prepared, settings: ExportSet
         if note := postconditions.uncaptured_cpu_note(onnx_model, settings, session):
             report.notes.append(note)
     session_report.describe_graph(onnx_model)
-    return onnx_model, attached, read
+    return onnx_model, attached, read, settings
+
+
+def _with_plain_attention_layers(settings: ExportSettings, session, session_report: SessionReport) -> ExportSettings:
+    """The decoder layers GroupQueryAttention could not take: past and present KV become separate
+    buffers, which ONNX Runtime GenAI cannot capture, so a captured export stops here."""
+    record = next((r for r in session_report.fx_passes if r["name"] == "substitute_group_query_attention"), None)
+    plain = (record or {}).get("changes", {}).get("plain_layers") or {}
+    if not session.is_decoder or not plain:
+        return settings
+    if session.captured(settings):
+        raise ExporterError(
+            f"EP '{settings.profile.name}' captures the decoder's graph, which needs GroupQueryAttention in every "
+            f"layer, and {len(plain)} cannot have it ({describe_plain_layers(plain)}); export with "
+            "--no-graph-capture (API: graph_capture=False)")
+    return dataclasses.replace(settings, plain_attention_layers=tuple(sorted(plain)))
 
 
 def _stage(step: str, session, settings: ExportSettings) -> str:

@@ -37,6 +37,9 @@ class ExportSettings:
     int4: Int4Options | None
     multimodal: MultimodalFacts | None = None  # None: a text package (the decoder alone)
     int4_encoders: bool = False  # int4 quantizes the vision and speech towers too
+    # Decoder layers GroupQueryAttention could not take (found by its FX pass, ``with_plain_layers``):
+    # their attention stays transformers', and past and present KV are then separate buffers.
+    plain_attention_layers: tuple[int, ...] = ()
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -61,7 +64,7 @@ class ExportSettings:
     def share_kv_buffer(self) -> bool:
         """Whether the package asks for one KV buffer for past and present (the export then checks
         that GroupQueryAttention writes every present)."""
-        return self.profile.past_present_share_buffer and self.attention_op
+        return self.profile.past_present_share_buffer and self.attention_op and not self.plain_attention_layers
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,14 @@ PRESETS: dict[str, Preset] = {
         Preset("tiny-gemma-3n", "Gemma 3n's text decoder in miniature (6 layers, 2 KV-shared; AltUp, Laurel, "
                "per-layer embeddings, activation sparsity)", _tiny_gemma3n_config),
         Preset(
+            "tiny-llama4",
+            "4-layer Llama 4 text decoder (chunked attention over 8 tokens in 3 layers, a NoPE full-attention "
+            "layer, complex rotary, L2-normed q/k, a dense-experts MoE in every second layer)",
+            _small(transformers.Llama4TextConfig, head_dim=16, intermediate_size_mlp=128, attention_chunk_size=8,
+                   num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                   no_rope_layers=[1, 1, 1, 0]),
+        ),
+        Preset(
             "tiny-cohere",
             "4-layer Cohere (parallel attention and MLP, mean-centred norms, interleaved rotary, logit scale)",
             _small(transformers.CohereConfig, logit_scale=0.5, tie_word_embeddings=True),

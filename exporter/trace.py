@@ -103,15 +103,17 @@ class GenAIEmbedsDecoder(GenAIDecoder):
 
 @contextlib.contextmanager
 def _windows_over_token_positions(attention_mask: torch.Tensor) -> Iterator[None]:
-    """Make transformers' sliding-window masks compare token positions instead of cache slots.
+    """Make transformers' sliding-window and chunked masks compare token positions instead of
+    cache slots.
 
     A token's position is the number of real tokens before it in its row (``cumsum(mask) - 1``).
     Within each row, real tokens' positions rise with their cache slots, so the causal part stays
     slot-based; padding stays excluded by transformers' own padding mask. Without holes (one
-    prompt, or left padding) this is the same mask transformers builds.
+    prompt, or left padding) this is the same mask transformers builds (its chunks start after a
+    row's left padding too).
     """
     token_positions = attention_mask.long().cumsum(-1) - 1
-    original = masking_utils.sliding_window_causal_mask_function
+    originals = (masking_utils.sliding_window_causal_mask_function, masking_utils.chunked_causal_mask_function)
 
     def sliding_window_over_positions(sliding_window: int):
         def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
@@ -120,11 +122,20 @@ def _windows_over_token_positions(attention_mask: torch.Tensor) -> Iterator[None
 
         return inner_mask
 
+    def chunks_over_positions(chunk_size: int, left_padding: torch.Tensor):
+        def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+            same_chunk = (token_positions[batch_idx, kv_idx] // chunk_size
+                          == token_positions[batch_idx, q_idx] // chunk_size)
+            return same_chunk & masking_utils.causal_mask_function(batch_idx, head_idx, q_idx, kv_idx)
+
+        return inner_mask
+
     masking_utils.sliding_window_causal_mask_function = sliding_window_over_positions
+    masking_utils.chunked_causal_mask_function = chunks_over_positions
     try:
         yield
     finally:
-        masking_utils.sliding_window_causal_mask_function = original
+        masking_utils.sliding_window_causal_mask_function, masking_utils.chunked_causal_mask_function = originals
 
 
 def make_inputs(

@@ -1,6 +1,7 @@
 """Every FX pass, in the order they run: the export plan keeps those whose ``applies`` says why
 (``exporter.plan``). A new pass is one module plus one line here."""
 
+from fx_passes.complex_as_real_pairs import ComplexAsRealPairs
 from fx_passes.drop_noop_casts import DropNoopCasts
 from fx_passes.drop_runtime_asserts import DropRuntimeAsserts
 from fx_passes.fold_untranslatable_constants import FoldUntranslatableConstants
@@ -14,6 +15,7 @@ FX_PASSES = {p.name: p for p in (
     DropRuntimeAsserts(),
     DropNoopCasts(),
     FoldUntranslatableConstants(),
+    ComplexAsRealPairs(),
     SplitOversizedWeights(),
     SubstituteGroupQueryAttention(),
     SubstituteMixtureOfExperts(),

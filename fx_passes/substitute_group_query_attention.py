@@ -66,6 +66,10 @@ class SubstituteGroupQueryAttention:
             )
         windows = _windows(program, cores, layout)
         graph = program.graph
+        # Layers GroupQueryAttention cannot take keep their traced attention, and why; a cache whose
+        # owner stays plain stays plain for every layer that reads it.
+        plain: dict[int, str] = {}
+        plain_caches: dict[Node, int] = {}
         attention_mask = user_input(program, "attention_mask")
         presents: dict[Node, Node] = {}  # a cache's concat -> the present of the marker that owns it
         rotary = None
@@ -77,18 +81,19 @@ class SubstituteGroupQueryAttention:
         window_by_mask = context.profile.sliding_window == WINDOW_BY_MASK
         shared = rotated = masked = 0
         for core, window in zip(cores, windows, strict=True):
+            key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
+            if reason := _why_plain(core, window, key_cat, value_cat, presents, plain_caches):
+                plain[core.layer] = reason
+                for concat in (key_cat, value_cat):
+                    if concat not in presents:
+                        plain_caches.setdefault(concat, core.layer)
+                continue
             # The EP's GroupQueryAttention cannot be trusted with this window: it still writes the
             # cache (owners), but the attention itself reads the buffer through a window mask.
             mask_window = window_by_mask and window > 0
-            key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
             owner = key_cat not in presents
-            if owner != (value_cat not in presents):
-                raise PassDidNotApply(f"{self.name}: {core.output.name} reads one layer's keys and another's values")
             heads = int(core.query.meta["val"].shape[1])
             kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])
-            if heads % kv_heads or int(value_cat.meta["val"].shape[3]) != head:
-                raise PassDidNotApply(f"{self.name}: {core.output.name} has {heads} query heads over {kv_heads} KV "
-                                      "heads or value and key head sizes differ")
             new_key = key_cat.args[0][1] if owner else None
             query_rotary = key_rotary = None
             caches = ()
@@ -130,19 +135,53 @@ class SubstituteGroupQueryAttention:
         program.graph_module.recompile()
         # One attention per layer, plus the cache-writing GroupQueryAttention of each owner whose
         # attention reads its buffer through a window mask.
-        expected = layout.num_layers + sum(1 for n in graph.nodes if n.target is _GQA and not _output_read(n))
+        expected = layout.num_layers - len(plain) + sum(
+            1 for n in graph.nodes if n.target is _GQA and not _output_read(n))
         if sum(n.target in (_GQA, _WINDOWED) for n in graph.nodes) != expected or masked != sum(
                 n.target is _WINDOWED for n in graph.nodes):
             raise PassDidNotApply(f"{self.name}: the rewritten graph lost an attention")
         return program, {
             "layers": len(cores),
             "kv_shared_layers": shared,
-            "sliding_window_layers": sum(1 for w in windows if w),
+            "sliding_window_layers": sum(1 for w in windows if isinstance(w, int) and w),
             "soft_capped_layers": sum(1 for c in cores if c.softcap),
             "rotary_in_attention_layers": rotated,
             "window_mask_layers": masked,
-            "substituted_layers": [c.layer for c in cores],
+            "substituted_layers": [c.layer for c in cores if c.layer not in plain],
+            "plain_layers": plain,
         }
+
+    def note(self, changes: dict) -> str | None:
+        if not changes.get("plain_layers"):
+            return None
+        return (f"{len(changes['plain_layers'])} of {changes['layers']} layers keep transformers' attention, not "
+                f"GroupQueryAttention ({describe_plain_layers(changes['plain_layers'])}); past and present KV are "
+                "separate buffers")
+
+
+def describe_plain_layers(plain: dict) -> str:
+    """``{layer: why}`` as "layers 0, 1, 2: why; layer 5: why", one entry per reason."""
+    by_reason: dict[str, list[str]] = {}
+    for layer, why in plain.items():
+        by_reason.setdefault(why, []).append(str(layer))
+    return "; ".join(f"layer{'s' if len(layers) > 1 else ''} {', '.join(layers)}: {why}"
+                     for why, layers in by_reason.items())
+
+
+def _why_plain(core: AttentionCore, window: int | str, key_cat: Node, value_cat: Node,
+               presents: dict, plain_caches: dict) -> str | None:
+    """Why GroupQueryAttention cannot take this layer's attention (None: it can)."""
+    if isinstance(window, str):
+        return window
+    if key_cat in plain_caches or value_cat in plain_caches:
+        return f"it reads the KV cache of layer {plain_caches.get(key_cat, plain_caches.get(value_cat))}, which stays plain"
+    if (key_cat not in presents) != (value_cat not in presents):
+        return "it reads one layer's keys and another's values"
+    heads = int(core.query.meta["val"].shape[1])
+    kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])
+    if heads % kv_heads or int(value_cat.meta["val"].shape[3]) != head:
+        return f"{heads} query heads over {kv_heads} KV heads, or value and key head sizes differ"
+    return None
 
 
 def _output_read(marker: Node) -> bool:
@@ -242,21 +281,24 @@ def _replace_output(graph: Graph, core: AttentionCore, output: Node) -> None:
             graph.erase_node(node)
 
 
-def _windows(program: ExportedProgram, cores: list[AttentionCore], layout) -> list[int]:
+def _windows(program: ExportedProgram, cores: list[AttentionCore], layout) -> list[int | str]:
     """Each core's sliding window (0: none), read off its mask on a prompt longer than the window
     the config declares (a window of at least the context length never takes effect), then
-    checked on one decode step at the end of the context (a wider window or chunking shows there)."""
+    checked on one decode step at the end of the context (a wider window or chunking shows there);
+    for a mask GroupQueryAttention cannot build (chunked attention, a bias), why not."""
     masks = list(dict.fromkeys(c.mask for c in cores if c.mask is not None))
-    for core in cores:
-        if core.mask is None and not core.is_causal:
-            raise PassDidNotApply(f"{core.output.name}: attention without a mask is not causal")
     if not masks:
-        return [0] * len(cores)
+        return [0 if core.is_causal else "its attention has no mask and is not causal" for core in cores]
     context = layout.context_length
     declared = layout.sliding_window if layout.sliding_window and layout.sliding_window < context else 8
     prompt = evaluate_nodes(program, masks, probe_inputs(program, min(2 * declared + 1, context)))
-    window_of = {mask: causal_window(value, mask.name) for mask, value in zip(masks, prompt, strict=True)}
     last_step = evaluate_nodes(program, masks, probe_inputs(program, 1, past=context - 1))
-    for mask, value in zip(masks, last_step, strict=True):
-        decode_step_agrees(value, window_of[mask], mask.name)
-    return [window_of[c.mask] if c.mask is not None else 0 for c in cores]
+    window_of: dict[Node, int | str] = {}
+    for mask, value, step in zip(masks, prompt, last_step, strict=True):
+        try:
+            window_of[mask] = causal_window(value, mask.name)
+            decode_step_agrees(step, window_of[mask], mask.name)
+        except PassDidNotApply as error:
+            window_of[mask] = str(error)
+    return [window_of[c.mask] if c.mask is not None else (0 if c.is_causal else "its attention has no mask and is "
+                                                             "not causal") for c in cores]

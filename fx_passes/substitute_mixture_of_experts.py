@@ -81,10 +81,14 @@ class SubstituteMixtureOfExperts:
             graph.eliminate_dead_code()
             graph.lint()
             program.graph_module.recompile()
-        return program, {"blocks": len(substituted) + len(plain), "substituted_layers": substituted,
+        return program, {"experts_modules": context.layout.routed_experts_blocks,
+                         "blocks": len(substituted) + len(plain), "substituted_layers": substituted,
                          "plain_blocks": plain}
 
     def note(self, changes: dict) -> str | None:
+        if unrouted := changes["experts_modules"] - changes["blocks"]:
+            return (f"{unrouted} experts modules are not gathered by routed expert ids (every expert runs on "
+                    "every token, as Llama 4's do): they stay as traced MatMuls")
         if not changes["plain_blocks"]:
             return None
         reasons = sorted(set(changes["plain_blocks"].values()))

@@ -131,3 +131,13 @@ def test_fused_and_plain_packages_agree(preset_exports, tmp_path, precision):
 
 def _fx_changes(report, name: str) -> dict:
     return next(p["changes"] for p in report.fx_passes if p["name"] == name)
+
+
+def test_a_captured_export_with_a_layer_group_query_attention_cannot_take_is_refused(tmp_path, capsys):
+    """Llama 4's chunked layers keep plain attention; WebGPU captures the decoder, which needs
+    GroupQueryAttention writing every present in place: a one-line error naming the layers and the way out."""
+    assert main(["tiny-llama4", "--ep", "webgpu", "-o", str(tmp_path / "out")]) == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("error: EP 'webgpu' captures the decoder's graph")
+    assert "layers 0, 1, 2: mask" in message and "--no-graph-capture" in message
+    assert not (tmp_path / "out").exists()

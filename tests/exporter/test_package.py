@@ -14,7 +14,12 @@ import onnxruntime_genai as og
 import pytest
 
 from exporter.trace import input_names, output_names
-from helpers.families import LAYER_NORM_FAMILIES, MIXTURE_OF_EXPERTS_FAMILIES, PLAIN_RMS_NORM_FAMILIES
+from helpers.families import (
+    LAYER_NORM_FAMILIES,
+    MIXTURE_OF_EXPERTS_FAMILIES,
+    PLAIN_ATTENTION_LAYERS,
+    PLAIN_RMS_NORM_FAMILIES,
+)
 
 
 @pytest.mark.l1
@@ -73,7 +78,8 @@ def test_every_layer_is_group_query_attention(family_export):
         if node.op_type in ("Transpose", "Gather", "GatherND") and node.input[0] in weights:
             weights.add(node.output[0])
     counts = package.report.op_counts
-    assert counts["com.microsoft.GroupQueryAttention"] == layout.num_layers
+    plain_layers = PLAIN_ATTENTION_LAYERS.get(family_export.name, [])
+    assert counts["com.microsoft.GroupQueryAttention"] == layout.num_layers - len(plain_layers)
     if family_export.name in MIXTURE_OF_EXPERTS_FAMILIES:
         # Each experts block is ONNX Runtime's MoE, or stays plain behind its router's Softmax,
         # which feeds a TopK (through a Cast to the compute dtype or not).
@@ -88,14 +94,19 @@ def test_every_layer_is_group_query_attention(family_export):
             after = consumers[after.output[0]] if after.op_type == "Cast" else after
             assert after.op_type == "TopK"
     else:
-        assert "Softmax" not in counts
+        # A layer that keeps transformers' attention keeps its Softmax.
+        assert counts.get("Softmax", 0) == len(plain_layers)
     by_activations = [n for n in graph.node if n.op_type == "MatMul" and not any(i in weights for i in n.input)]
-    # Gemma 3n's AltUp mixes its streams with per-token coefficients: one such product per layer.
-    assert len(by_activations) == (layout.num_layers if family_export.name == "tiny-gemma-3n" else 0)
+    # Gemma 3n's AltUp mixes its streams with per-token coefficients: one such product per layer;
+    # plain attention multiplies queries by keys and weights by values.
+    expected = (layout.num_layers if family_export.name == "tiny-gemma-3n" else 0) + 2 * len(plain_layers)
+    assert len(by_activations) == expected
     record = next(r for r in package.report.fx_passes if r["name"] == "substitute_group_query_attention")
-    assert record["changes"]["substituted_layers"] == list(range(layout.num_layers))
+    assert record["changes"]["substituted_layers"] == [i for i in range(layout.num_layers) if i not in plain_layers]
+    assert sorted(int(i) for i in record["changes"]["plain_layers"]) == plain_layers
     config = json.loads((package.path / "genai_config.json").read_text())
-    assert config["search"]["past_present_share_buffer"] is True
+    # One KV buffer for past and present only where GroupQueryAttention writes every present.
+    assert config["search"]["past_present_share_buffer"] is (not plain_layers)
 
 
 @pytest.mark.l1

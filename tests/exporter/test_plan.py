@@ -16,7 +16,7 @@ from exporter.plan import export_settings, make_plan
 from exporter.precisions import int4_options
 from exporter.presets import build_preset
 
-CLEANUP = ["drop_runtime_asserts", "drop_noop_casts", "fold_untranslatable_constants"]
+CLEANUP = ["drop_runtime_asserts", "drop_noop_casts", "fold_untranslatable_constants", "complex_as_real_pairs"]
 GQA = "substitute_group_query_attention"
 MOE = "substitute_mixture_of_experts"
 SPLIT = "split_oversized_weights"

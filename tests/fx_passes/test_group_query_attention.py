@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.families import FAMILIES, MIXTURE_OF_EXPERTS_FAMILIES
+from helpers.families import FAMILIES, MIXTURE_OF_EXPERTS_FAMILIES, PLAIN_ATTENTION_LAYERS
 
 from ep_profiles import get_profile
 from exporter.layout import derive_layout
@@ -22,7 +22,7 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # The marker's reference kernel runs the same fp32 math in another order (one softmax over the
 # whole compact cache instead of transformers' masked one): observed <= 3e-6 on logits.
 TOLERANCE = 1e-5
-PASSES = ["drop_runtime_asserts", "drop_noop_casts", "substitute_group_query_attention"]
+PASSES = ["drop_runtime_asserts", "drop_noop_casts", "complex_as_real_pairs", "substitute_group_query_attention"]
 
 
 def _cases(layout):
@@ -41,10 +41,11 @@ def _cases(layout):
     ]
 
 
-def assert_same_results(inputs, got, want, tolerance=TOLERANCE):
+def assert_same_results(inputs, got, want, tolerance=TOLERANCE, holes=()):
     """Logits at real query positions; each row's present KV compared over its real tokens,
     which GroupQueryAttention keeps first in the row (transformers keeps them where the mask
-    says, with the right-padding hole in between)."""
+    says, with the right-padding hole in between). ``holes``: indices of present outputs written
+    by layers that keep transformers' attention, so kept with the hole."""
     real = inputs[1].bool()
     queries = real[:, real.shape[1] - inputs[0].shape[1] :]
     if got[0].shape[1] == 1 and want[0].shape[1] != 1:
@@ -52,17 +53,19 @@ def assert_same_results(inputs, got, want, tolerance=TOLERANCE):
         want = (torch.stack([want[0][b, j] for b, j in enumerate(last)])[:, None], *want[1:])
         queries = torch.ones(len(last), 1, dtype=torch.bool)
     torch.testing.assert_close(got[0][queries], want[0][queries], rtol=0, atol=tolerance)
-    for got_kv, want_kv in zip(got[1:], want[1:], strict=True):
+    for index, (got_kv, want_kv) in enumerate(zip(got[1:], want[1:], strict=True)):
         for row in range(len(real)):
             count = int(real[row].sum())
-            torch.testing.assert_close(got_kv[row, :, :count], want_kv[row][:, real[row]], rtol=0, atol=tolerance)
+            kept = got_kv[row][:, real[row]] if index in holes else got_kv[row, :, :count]
+            torch.testing.assert_close(kept, want_kv[row][:, real[row]], rtol=0, atol=tolerance)
 
 
 # Layers whose rotary embedding GroupQueryAttention does not apply itself, by family: Cohere
 # rotates interleaved pairs, Phi and GPT-NeoX only part of each head (Phi-3's partial-rotary code
 # path at full width is matched), so their q/k arrive rotated; SmolLM3's every fourth layer has no
 # rotary at all.
-ROTATED_OUTSIDE_ATTENTION = {"tiny-cohere": 4, "tiny-phi": 4, "tiny-gpt-neox": 4, "tiny-smollm3": 1}
+ROTATED_OUTSIDE_ATTENTION = {"tiny-cohere": 4, "tiny-phi": 4, "tiny-gpt-neox": 4, "tiny-smollm3": 1,
+                             "tiny-llama4": 1}  # Llama 4: its one GroupQueryAttention layer is NoPE
 
 
 def _substituted(name, passes=PASSES, attention_rotary=True, profile=None):
@@ -83,16 +86,20 @@ def _substituted(name, passes=PASSES, attention_rotary=True, profile=None):
 def test_substitution_keeps_results(name):
     layout, program, cases, before, changes = _substituted(name)
     targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
-    assert targets.count(GQA) == layout.num_layers == changes["layers"]
-    assert SDPA not in targets
+    plain = PLAIN_ATTENTION_LAYERS.get(name, [])
+    assert targets.count(GQA) == layout.num_layers - len(plain) and changes["layers"] == layout.num_layers
+    assert sorted(changes["plain_layers"]) == plain
+    assert targets.count(SDPA) == len(plain)  # the layers GroupQueryAttention cannot take keep theirs
     # Every softmax left is a mixture-of-experts router's (transformers' ...Router modules).
     softmaxes = [n for n in program.graph.nodes if n.target is torch.ops.aten.softmax.int]
     assert bool(softmaxes) == (name in MIXTURE_OF_EXPERTS_FAMILIES)
     assert all(list(n.meta["nn_module_stack"].values())[-1][1].endswith("Router") for n in softmaxes)
-    assert changes["rotary_in_attention_layers"] == layout.num_layers - ROTATED_OUTSIDE_ATTENTION.get(name, 0)
+    assert changes["rotary_in_attention_layers"] == layout.num_layers - len(plain) - ROTATED_OUTSIDE_ATTENTION.get(name, 0)
+    # The present outputs (keys, values per KV layer) of the layers that keep their attention.
+    holes = {2 * slot + i for slot, layer in enumerate(layout.kv_layer_indices) if layer in plain for i in (0, 1)}
     with torch.no_grad():
         for inputs, want in zip(cases, before, strict=True):
-            assert_same_results(inputs, program.module()(*inputs), want)
+            assert_same_results(inputs, program.module()(*inputs), want, holes=holes)
 
 
 @pytest.mark.l2
@@ -137,7 +144,8 @@ def test_substitution_reads_each_model_from_its_graph():
     assert sorted(k for k in program.state_dict if k.startswith("rotary_")) == [
         "rotary_0.cos_cache", "rotary_0.sin_cache", "rotary_1.cos_cache", "rotary_1.sin_cache"]
     assert gemma4 == {"layers": 10, "kv_shared_layers": 4, "sliding_window_layers": 8, "soft_capped_layers": 0,
-                      "rotary_in_attention_layers": 10, "window_mask_layers": 0, "substituted_layers": list(range(10))}
+                      "rotary_in_attention_layers": 10, "window_mask_layers": 0, "substituted_layers": list(range(10)),
+                      "plain_layers": {}}
     layout, program, *_, gemma2 = _substituted("tiny-gemma2")
     assert (gemma2["sliding_window_layers"], gemma2["soft_capped_layers"]) == (2, 4)
     markers = [n for n in program.graph.nodes if n.target is GQA]

@@ -17,6 +17,7 @@ FAMILIES = [
     "tiny-phi",
     "tiny-gpt-neox",
     "tiny-smollm3",
+    "tiny-llama4",
 ]
 
 # Families normalised by LayerNorm (ONNX's LayerNormalization), with no RMSNorm to fuse.
@@ -27,10 +28,14 @@ LAYER_NORM_FAMILIES = {"tiny-phi", "tiny-gpt-neox"}
 # hidden state unscaled), Gemma 3n (AltUp rescales its streams by their RMS) and Cohere (its norms
 # centre on the mean first) keep some.
 PLAIN_RMS_NORM_FAMILIES = set(FAMILIES) - LAYER_NORM_FAMILIES - {
-    "tiny-gemma-4", "tiny-gemma-4-moe", "tiny-gemma-3n", "tiny-cohere"}
+    "tiny-gemma-4", "tiny-gemma-4-moe", "tiny-gemma-3n", "tiny-cohere", "tiny-llama4"}
 
 # Families with routed-experts blocks: ONNX Runtime's MoE where the CPU profile runs it (softmax
 # top-k routing, SiLU-gated experts), else MatMuls over weights gathered per routed token behind the
 # router's Softmax (Gemma 4: per-expert scales and GELU-gated experts).
 MIXTURE_OF_EXPERTS_FAMILIES = {"tiny-qwen3-moe", "tiny-mixtral", "tiny-gemma-4-moe"}
 FUSED_MIXTURE_OF_EXPERTS_FAMILIES = {"tiny-qwen3-moe", "tiny-mixtral"}
+
+# Layers GroupQueryAttention cannot take, by family: Llama 4's chunked attention (a mask that is
+# neither causal nor a sliding window) keeps transformers' attention in its three RoPE layers.
+PLAIN_ATTENTION_LAYERS = {"tiny-llama4": [0, 1, 2]}
