@@ -37,7 +37,7 @@ class DecoderLayout:
     kv_layers: tuple[KvLayer, ...]
     sliding_window: int | None
     num_kv_shared_layers: int
-    routed_experts_blocks: int = 0  # mixture-of-experts blocks (transformers' fused experts modules)
+    experts_modules: int = 0  # modules holding every expert's weights stacked (mixtures of experts)
 
     @property
     def kv_layer_indices(self) -> tuple[int, ...]:
@@ -104,11 +104,11 @@ def derive_layout(model: PreTrainedModel) -> DecoderLayout:
         kv_layers=tuple(kv_layers),
         sliding_window=int(config.sliding_window) if has_sliding and config.sliding_window else None,
         num_kv_shared_layers=num_layers - len(kv_layers),
-        routed_experts_blocks=sum(1 for module in model.modules() if is_routed_experts(module)),
+        experts_modules=sum(1 for module in model.modules() if holds_stacked_experts(module)),
     )
 
 
-def is_routed_experts(module: torch.nn.Module) -> bool:
+def holds_stacked_experts(module: torch.nn.Module) -> bool:
     """transformers' experts modules hold every expert's weights in 3-D tensors [experts, out, in]."""
     down = getattr(module, "down_proj", None)
     return isinstance(down, torch.nn.Parameter) and down.dim() == 3

@@ -37,7 +37,8 @@ class ExportSettings:
     int4: Int4Options | None
     multimodal: MultimodalFacts | None = None  # None: a text package (the decoder alone)
     int4_encoders: bool = False  # int4 quantizes the vision and speech towers too
-    # Decoder layers GroupQueryAttention could not take (found by its FX pass, ``with_plain_layers``):
+    # Decoder layers GroupQueryAttention could not take (found by its FX pass; set by
+    # ``pipeline._with_plain_attention_layers`` after the decoder's FX passes):
     # their attention stays transformers', and past and present KV are then separate buffers.
     plain_attention_layers: tuple[int, ...] = ()
 

@@ -12,7 +12,7 @@ import transformers
 
 from exporter import weights
 from exporter.compute_dtype import cast_like_from_pretrained
-from exporter.errors import ExporterBug
+from exporter.errors import ExporterError
 from exporter.layout import DecoderLayout, derive_layout
 from exporter.sources import LoadedModel
 
@@ -43,11 +43,11 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         layout = derive_layout(decoder)
     except Exception as error:
         # The exporter's own step failed, whatever the cause: say which step, and what it raised.
-        raise ExporterBug(
+        raise ExporterError(
             f"the exporter's layout probe failed: running {type(decoder).__name__} on 2 tokens with a "
             f"transformers DynamicCache, to read which layers keep a KV cache, raised "
-            f"{type(error).__name__}: {_first_line(error)} (rerun with --debug for the traceback; please report "
-            "it with the model's config)"
+            f"{type(error).__name__}: {_first_line(error)}; if the model runs in transformers, this is the "
+            "exporter's limit: please report it with the model's config (--debug shows the traceback)"
         ) from error
     saved_shapes = None
     if loaded.weights is not None:

@@ -30,11 +30,12 @@ _PROJECTIONS = (_aten.linear.default, _aten.matmul.default, _aten.mm.default)
 
 
 def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.fx.Node, axis: int,
-                      context: PassContext) -> torch.fx.Node:
-    """A ``last_token`` of ``tensor``; a graph-captured decoder runs one unpadded sequence, whose
-    last token is the last position (no index arithmetic on the CPU)."""
+                      context: PassContext, before: torch.fx.Node | None = None) -> torch.fx.Node:
+    """A ``last_token`` of ``tensor``, right after it or right ``before`` a node (its first reader,
+    so in-place writes into ``tensor`` in between are gathered too); a graph-captured decoder runs
+    one unpadded sequence, whose last token is the last position (no index arithmetic on the CPU)."""
     last_position = context.graph_capture
-    with graph.inserting_after(tensor):
+    with graph.inserting_after(tensor) if before is None else graph.inserting_before(before):
         gathered = graph.call_function(torch.ops.genai_exporter.last_token.default, (tensor, mask, axis, last_position))
     set_fake_value(gathered)
     return gathered

@@ -1,5 +1,6 @@
-"""Replace every layer's attention (cache concat, KV-head repetition, mask, attention) with one
-``genai_exporter::group_query_attention`` marker, lowered to ONNX Runtime's GroupQueryAttention.
+"""Replace each layer's attention (cache concat, KV-head repetition, mask, attention) with one
+``genai_exporter::group_query_attention`` marker, lowered to ONNX Runtime's GroupQueryAttention;
+a layer it cannot take (a mask it cannot build, such as chunked attention) keeps its own.
 
 Found from the graph, not from model names: each attention core (SDPA or the eager soft-capped
 chain, see ``attention_cores``) is traced back to the ``cat([past, new])`` its keys and values
@@ -66,10 +67,8 @@ class SubstituteGroupQueryAttention:
             )
         windows = _windows(program, cores, layout)
         graph = program.graph
-        # Layers GroupQueryAttention cannot take keep their traced attention, and why; a cache whose
-        # owner stays plain stays plain for every layer that reads it.
-        plain: dict[int, str] = {}
-        plain_caches: dict[Node, int] = {}
+        # Layers GroupQueryAttention cannot take keep their traced attention, and why.
+        plain = _plain_layers(cores, windows)
         attention_mask = user_input(program, "attention_mask")
         presents: dict[Node, Node] = {}  # a cache's concat -> the present of the marker that owns it
         rotary = None
@@ -82,11 +81,7 @@ class SubstituteGroupQueryAttention:
         shared = rotated = masked = 0
         for core, window in zip(cores, windows, strict=True):
             key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
-            if reason := _why_plain(core, window, key_cat, value_cat, presents, plain_caches):
-                plain[core.layer] = reason
-                for concat in (key_cat, value_cat):
-                    if concat not in presents:
-                        plain_caches.setdefault(concat, core.layer)
+            if core.layer in plain:
                 continue
             # The EP's GroupQueryAttention cannot be trusted with this window: it still writes the
             # cache (owners), but the attention itself reads the buffer through a window mask.
@@ -168,20 +163,36 @@ def describe_plain_layers(plain: dict) -> str:
                      for why, layers in by_reason.items())
 
 
-def _why_plain(core: AttentionCore, window: int | str, key_cat: Node, value_cat: Node,
-               presents: dict, plain_caches: dict) -> str | None:
-    """Why GroupQueryAttention cannot take this layer's attention (None: it can)."""
-    if isinstance(window, str):
-        return window
-    if key_cat in plain_caches or value_cat in plain_caches:
-        return f"it reads the KV cache of layer {plain_caches.get(key_cat, plain_caches.get(value_cat))}, which stays plain"
-    if (key_cat not in presents) != (value_cat not in presents):
-        return "it reads one layer's keys and another's values"
-    heads = int(core.query.meta["val"].shape[1])
-    kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])
-    if heads % kv_heads or int(value_cat.meta["val"].shape[3]) != head:
-        return f"{heads} query heads over {kv_heads} KV heads, or value and key head sizes differ"
-    return None
+def _plain_layers(cores: list[AttentionCore], windows: list[int | str]) -> dict[int, str]:
+    """{layer: why} for the layers GroupQueryAttention cannot take. A KV cache is written and read
+    in one layout: GroupQueryAttention's (each row's real tokens first) or transformers' (where the
+    mask says). So every layer sharing a cache with a plain layer (its owner, or a KV-shared reader)
+    stays plain too."""
+    caches = [(cache_concat(core.key), cache_concat(core.value)) for core in cores]
+    first_reader: dict[Node, int] = {}
+    for index, concats in enumerate(caches):
+        for concat in concats:
+            first_reader.setdefault(concat, index)
+    plain: dict[int, str] = {}
+    for index, (core, window, (key_cat, value_cat)) in enumerate(zip(cores, windows, caches, strict=True)):
+        heads = int(core.query.meta["val"].shape[1])
+        kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])
+        if isinstance(window, str):
+            plain[index] = window
+        elif first_reader[key_cat] != first_reader[value_cat]:
+            plain[index] = "it reads one layer's keys and another's values"
+        elif heads % kv_heads or int(value_cat.meta["val"].shape[3]) != head:
+            plain[index] = f"{heads} query heads over {kv_heads} KV heads, or value and key head sizes differ"
+    spreading = True
+    while spreading:
+        spreading = False
+        by_cache = {concat: index for index in plain for concat in caches[index]}
+        for index, concats in enumerate(caches):
+            source = next((by_cache[c] for c in concats if c in by_cache), None)
+            if index not in plain and source is not None:
+                plain[index] = f"it shares its KV cache with layer {cores[source].layer}, which keeps plain attention"
+                spreading = True
+    return {cores[index].layer: why for index, why in sorted(plain.items())}
 
 
 def _output_read(marker: Node) -> bool:

@@ -51,7 +51,7 @@ class SubstituteMixtureOfExperts:
     name = "substitute_mixture_of_experts"
 
     def applies(self, facts, session) -> str | None:
-        if not session.is_decoder or not facts.layout.routed_experts_blocks:
+        if not session.is_decoder or not facts.layout.experts_modules:
             return None
         if facts.precision not in facts.profile.mixture_of_experts_precisions:
             return None
@@ -81,19 +81,21 @@ class SubstituteMixtureOfExperts:
             graph.eliminate_dead_code()
             graph.lint()
             program.graph_module.recompile()
-        return program, {"experts_modules": context.layout.routed_experts_blocks,
+        return program, {"experts_modules": context.layout.experts_modules,
                          "blocks": len(substituted) + len(plain), "substituted_layers": substituted,
                          "plain_blocks": plain}
 
     def note(self, changes: dict) -> str | None:
+        notes = []
         if unrouted := changes["experts_modules"] - changes["blocks"]:
-            return (f"{unrouted} experts modules are not gathered by routed expert ids (every expert runs on "
-                    "every token, as Llama 4's do): they stay as traced MatMuls")
-        if not changes["plain_blocks"]:
-            return None
-        reasons = sorted(set(changes["plain_blocks"].values()))
-        return (f"{len(changes['plain_blocks'])} of {changes['blocks']} mixture-of-experts blocks stay as traced "
-                f"MatMuls, not ONNX Runtime's MoE: each {'; or '.join(reasons)}")
+            notes.append(f"{unrouted} experts modules are not gathered by routed expert ids (every expert runs on "
+                         "every token, as Llama 4's do): they stay as traced MatMuls")
+        if changes["plain_blocks"]:
+            reasons = sorted(set(changes["plain_blocks"].values()))
+            notes.append(f"{len(changes['plain_blocks'])} of {changes['blocks']} mixture-of-experts blocks stay as "
+                         f"traced MatMuls over weights gathered per routed token, not ONNX Runtime's MoE: each "
+                         f"{'; or '.join(reasons)}")
+        return "; ".join(notes) or None
 
 
 def _experts_blocks(program: ExportedProgram) -> list[_Block]:
@@ -140,7 +142,7 @@ def _routing(block: _Block) -> tuple[Node, Node, int] | str:
               if a not in inside and a.op != "placeholder" and isinstance(a.meta.get("val"), torch.Tensor)
               and a.meta["val"].dim() == 2 and a.meta["val"].shape[-1] == block.gate_up.meta["val"].shape[-1]]
     if len(set(hidden)) != 1:
-        return "reads no single [tokens, hidden] input"
+        return "reads no single [tokens, hidden] input (its experts' weights are not [experts, out, in])"
     return hidden[0], logits, int(k)
 
 

@@ -91,6 +91,7 @@ class TruncateSharedKvLayers:
             region.discard(node)
 
         gathers = 0
+        order = {node: index for index, node in enumerate(graph.nodes)}
         for producer in [n for n in graph.nodes if n not in region]:
             consumers = [user for user in producer.users if user in region]
             value = producer.meta.get("val")
@@ -105,7 +106,8 @@ class TruncateSharedKvLayers:
                     f"{self.name}: cannot pick the last token of {producer.name} with shape "
                     f"{tuple(value.shape)} (needs one sequence axis after the batch axis)"
                 )
-            gathered = _insert_last_token_of(graph, producer, mask, batch_axes[0], axes[0], context)
+            first_reader = min(consumers, key=order.__getitem__)  # after any in-place write into producer
+            gathered = _insert_last_token_of(graph, producer, mask, batch_axes[0], axes[0], context, first_reader)
             for consumer in consumers:
                 consumer.replace_input_with(producer, gathered)
             gathers += 1
@@ -176,17 +178,19 @@ class TruncateSharedKvLayers:
         return rewritten
 
 
-def _insert_last_token_of(graph, tensor: Node, mask: Node, batch_axis: int, seq_axis: int, context) -> Node:
-    """``last_token`` of ``tensor`` whose batch axis may come after other axes (Gemma 3n's AltUp
-    stack is [streams, batch, seq, hidden]): moved to the front for the gather and back after."""
+def _insert_last_token_of(graph, tensor: Node, mask: Node, batch_axis: int, seq_axis: int, context,
+                          before: Node) -> Node:
+    """``last_token`` of ``tensor`` right ``before`` its first reader in the region, whose batch
+    axis may come after other axes (Gemma 3n's AltUp stack is [streams, batch, seq, hidden]):
+    moved to the front for the gather and back after."""
     if batch_axis == 0:
-        return insert_last_token(graph, tensor, mask, seq_axis, context)
+        return insert_last_token(graph, tensor, mask, seq_axis, context, before)
     rank = tensor.meta["val"].dim()
     order = [batch_axis, *(axis for axis in range(rank) if axis != batch_axis)]
-    with graph.inserting_after(tensor):
+    with graph.inserting_before(before):
         front = graph.call_function(torch.ops.aten.permute.default, (tensor, order))
     set_fake_value(front)
-    gathered = insert_last_token(graph, front, mask, order.index(seq_axis), context)
+    gathered = insert_last_token(graph, front, mask, order.index(seq_axis), context, before)
     with graph.inserting_after(gathered):
         back = graph.call_function(torch.ops.aten.permute.default, (gathered, [order.index(a) for a in range(rank)]))
     set_fake_value(back)

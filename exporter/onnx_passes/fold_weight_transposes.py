@@ -74,6 +74,8 @@ def _fold_weight_reshape(node: ir.Node, graph: ir.Graph) -> int:
         return 0
     tensor = source.const_value
     dims = [int(d) for d in target.numpy().reshape(-1)]
+    if any(d == 0 and i >= len(tensor.shape) for i, d in enumerate(dims)):
+        return 0  # a 0 copies an input dimension the weight does not have: not a reshape to fold
     dims = [tensor.shape[i] if d == 0 else d for i, d in enumerate(dims)]
     shape = ir.Shape(np.empty(tuple(tensor.shape), dtype=np.uint8).reshape(dims).shape)  # resolves a -1
     name = out.name

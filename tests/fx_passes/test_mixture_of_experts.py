@@ -37,7 +37,7 @@ def _substituted(name: str):
 def test_substitution_keeps_results(name):
     layout, program, cases, before, changes = _substituted(name)
     fused = [n for n in program.graph.nodes if n.target is MOE]
-    assert len(fused) == layout.routed_experts_blocks == len(changes["substituted_layers"]) > 0
+    assert len(fused) == layout.experts_modules == len(changes["substituted_layers"]) > 0
     assert changes["plain_blocks"] == {}
     # No expert's weights are gathered per token any more.
     assert not any(n.target is torch.ops.aten.index.Tensor and "experts" in str(n.args[0]) for n in program.graph.nodes)
@@ -52,6 +52,6 @@ def test_gemma4_experts_stay_plain_and_say_why():
     """Gemma 4's router scales each expert's weight (per_expert_scale) and its experts are
     GELU-gated: not what the MoE op computes, so the blocks stay as traced."""
     layout, program, cases, before, changes = _substituted("tiny-gemma-4-moe")
-    assert changes["substituted_layers"] == [] and len(changes["plain_blocks"]) == layout.routed_experts_blocks == 4
+    assert changes["substituted_layers"] == [] and len(changes["plain_blocks"]) == layout.experts_modules == 4
     assert all("SiLU-gated" in why for why in changes["plain_blocks"].values())
     assert not any(n.target is MOE for n in program.graph.nodes)
