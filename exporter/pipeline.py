@@ -311,8 +311,9 @@ def _new_report(loaded, settings: ExportSettings, plan: ExportPlan) -> ExportRep
     if layout.experts_modules and "substitute_mixture_of_experts" not in decoder_passes:
         report.notes.append(
             f"{layout.experts_modules} experts modules stay as traced: {settings.profile.name} at {settings.precision} "
-            "has no MoE op in this exporter, so each routed token gathers its experts' whole weight matrices "
-            "(prefill memory and time grow with prompt length x experts per token x expert size)")
+            "has no MoE op in this exporter; where a router picks experts, each routed token gathers its experts' "
+            "whole weight matrices (prefill memory and time grow with prompt length x experts per token x expert "
+            "size)")
     if genai_model_type(layout) != layout.model_type:
         report.notes.append(f"ONNX Runtime GenAI does not list model type '{layout.model_type}'; "
                             f"genai_config names it '{FALLBACK_DECODER_TYPE}' (same decoder I/O)")

@@ -106,7 +106,7 @@ class TruncateSharedKvLayers:
                     f"{self.name}: cannot pick the last token of {producer.name} with shape "
                     f"{tuple(value.shape)} (needs one sequence axis after the batch axis)"
                 )
-            first_reader = min(consumers, key=order.__getitem__)  # after any in-place write into producer
+            first_reader = min(consumers, key=order.__getitem__)  # after in-place writes made before it
             gathered = _insert_last_token_of(graph, producer, mask, batch_axes[0], axes[0], context, first_reader)
             for consumer in consumers:
                 consumer.replace_input_with(producer, gathered)

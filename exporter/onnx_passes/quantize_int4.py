@@ -147,13 +147,16 @@ class QuantizeInt4:
         if not quantizer.matmuls and not quantizer.gathers:
             raise ExporterError("int4 quantization found no MatMul with a constant weight and no embedding table to quantize")
         return {"matmuls": quantizer.matmuls, "gathers": quantizer.gathers,
-                "tables_shared_with_lm_head": quantizer.shared_tables, "experts_blocks": quantizer.experts_blocks}
+                "tables_shared_with_lm_head": quantizer.shared_tables, "experts_blocks": quantizer.experts_blocks,
+                # MoE blocks QMoE cannot take here (asymmetric blocks, a width the block size does not
+                # divide, biased experts): their experts stay float.
+                "float_experts_blocks": quantizer.float_experts_blocks}
 
 
 class _Quantizer:
     def __init__(self, options: Int4Options):
         self.options = options
-        self.matmuls = self.gathers = self.shared_tables = self.experts_blocks = 0
+        self.matmuls = self.gathers = self.shared_tables = self.experts_blocks = self.float_experts_blocks = 0
 
     def run(self, model: ir.Model) -> None:
         graph = model.graph
@@ -193,8 +196,11 @@ class _Quantizer:
             self._replace_gather(graph, node, quantized[id(table)])
             self.gathers += 1
         for node in list(graph):
-            if node.op_type == "MoE" and node.domain == MICROSOFT and self._quantize_experts(graph, node):
-                self.experts_blocks += 1
+            if node.op_type == "MoE" and node.domain == MICROSOFT:
+                if self._quantize_experts(graph, node):
+                    self.experts_blocks += 1
+                else:
+                    self.float_experts_blocks += 1
         # The float weights (and transposes of them) that nothing reads any more.
         common.RemoveUnusedNodesPass()(model)
 
@@ -207,7 +213,7 @@ class _Quantizer:
         block = self.options.block_size
         fc1, fc2 = node.inputs[2], node.inputs[4]
         biases = [v for i, v in enumerate(node.inputs) if i in (3, 5) and v is not None]
-        if (not self.options.symmetric or biases or not _is_experts_weight(fc1) or not _is_experts_weight(fc2)
+        if (len(node.inputs) > 5 or not self.options.symmetric or biases or not _is_experts_weight(fc1) or not _is_experts_weight(fc2)
                 or fc1.shape[2] % block or fc2.shape[2] % block):
             return False
         inputs = [node.inputs[0], node.inputs[1]]
