@@ -1,0 +1,67 @@
+"""Compare ONNX Runtime GenAI packages from any exporter (not a test): time to first token and
+decode tokens/s on the CPU, the packages taking turns in one run (order flipped every repeat, one
+warm-up each), so a shared, noisy machine slows them alike.
+
+    python scripts/compare_packages.py ours=out/llama-int4 builder=/tmp/builder-int4 --prompt-length 512
+
+Give this exporter's package beside the same checkpoint's package from ONNX Runtime GenAI's model
+builder (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -e cpu -p int4 -c CACHE``) or
+another exporter; their installs stay outside this project. Prompts are random token ids (fixed
+seed), so the numbers measure the graphs, not the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmark import alternating_generation  # noqa: E402  (the benchmark's own alternating runs)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("packages", nargs="+", metavar="[NAME=]PATH",
+                        help="package folders (with genai_config.json), each optionally named NAME=PATH")
+    parser.add_argument("--prompt-length", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    return parser.parse_args()
+
+
+def read_packages(specs: list[str]) -> dict[str, SimpleNamespace]:
+    packages = {}
+    for spec in specs:
+        name, _, path = spec.rpartition("=")
+        folder = Path(path)
+        config = folder / "genai_config.json"
+        if not config.is_file():
+            raise SystemExit(f"error: {folder} is not a package folder (no genai_config.json)")
+        vocab_size = json.loads(config.read_text())["model"]["vocab_size"]
+        packages[name or folder.name] = SimpleNamespace(path=folder, layout=SimpleNamespace(vocab_size=vocab_size))
+    if len({p.layout.vocab_size for p in packages.values()}) != 1:
+        raise SystemExit("error: the packages have different vocabularies; compare packages of one checkpoint")
+    return packages
+
+
+def main() -> None:
+    args = parse_args()
+    packages = read_packages(args.packages)
+    results = alternating_generation(packages, args.prompt_length, args.decode_tokens, args.repeats)
+    first = next(iter(packages))
+    base = statistics.median(results[first]["decode"])
+    print(f"\n## ONNX Runtime GenAI CPU, {args.prompt_length}-token prompt, {args.decode_tokens} decoded tokens "
+          f"(median of {args.repeats}, alternating)\n")
+    print(f"| package | TTFT ms | decode tokens/s | decode vs {first} |\n|---|---:|---:|---:|")
+    for name in packages:
+        ttft, rate = statistics.median(results[name]["ttft"]), statistics.median(results[name]["decode"])
+        print(f"| {name} | {ttft * 1000:.0f} | {rate:.1f} | {rate / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
