@@ -73,15 +73,19 @@ def erase_nodes(program: ExportedProgram, matches: Callable[[Any], bool]) -> int
     return erased
 
 
+def program_fake_mode(graph):
+    """The fake-tensor mode the program was traced in (its placeholders' values carry it)."""
+    return torch._guards.detect_fake_mode(
+        [n.meta["val"] for n in graph.nodes if n.op == "placeholder" and "val" in n.meta])
+
+
 def add_parameter(program: ExportedProgram, target: str, tensor: torch.Tensor) -> torch.fx.Node:
     """Add ``tensor`` to the program as a new weight named ``target``; returns its placeholder."""
     graph = program.graph
     first_placeholder = next(n for n in graph.nodes if n.op == "placeholder")
     with graph.inserting_before(first_placeholder):
         node = graph.placeholder("p_" + target.replace(".", "_"))
-    node.meta["val"] = torch._guards.detect_fake_mode(
-        [n.meta["val"] for n in graph.nodes if n.op == "placeholder" and "val" in n.meta]
-    ).from_tensor(tensor, static_shapes=True)
+    node.meta["val"] = program_fake_mode(graph).from_tensor(tensor, static_shapes=True)
     program.state_dict[target] = torch.nn.Parameter(tensor, requires_grad=False)
     program.graph_signature.input_specs.insert(
         0, InputSpec(kind=InputKind.PARAMETER, arg=TensorArgument(name=node.name), target=target, persistent=None)

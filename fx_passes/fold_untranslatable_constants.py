@@ -14,7 +14,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from fx_passes.base import PassContext, add_parameter
+from fx_passes.base import PassContext, add_parameter, program_fake_mode
 from fx_passes.graph_facts import ancestors, evaluate_nodes
 
 _UNTRANSLATABLE = (torch.ops.aten.erfinv.default,)
@@ -39,7 +39,7 @@ class FoldUntranslatableConstants:
                 with graph.inserting_before(node):
                     constant = graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),),
                                                    {"dtype": value.dtype})
-                constant.meta["val"] = _fake_mode(graph).from_tensor(value)
+                constant.meta["val"] = program_fake_mode(graph).from_tensor(value)
             else:
                 constant = add_parameter(program, f"folded_{node.name}", value.detach().clone())
             node.replace_all_uses_with(constant)
@@ -50,8 +50,3 @@ class FoldUntranslatableConstants:
             graph.lint()
             program.graph_module.recompile()
         return program, {"folded": folded}
-
-
-def _fake_mode(graph):
-    return torch._guards.detect_fake_mode(
-        [n.meta["val"] for n in graph.nodes if n.op == "placeholder" and "val" in n.meta])

@@ -150,11 +150,12 @@ def _matching_normalisation(program: ExportedProgram, block: _Block, hidden: Nod
     """Whether the reference kernel matches the block with renormalised routing weights (True),
     without (False), or neither (None), on random weights and inputs of the traced shapes."""
     generator = torch.Generator().manual_seed(0)
-    sizes = _symbol_sizes(program, probe_inputs(program, length=_PROBE_TOKENS))
+    probe = probe_inputs(program, length=_PROBE_TOKENS)
+    sizes = _symbol_sizes(program, probe)
     given = {hidden: _random(hidden, sizes, generator), logits: _random(logits, sizes, generator)}
     weights = {node: _random(node, sizes, generator) * 0.2 for node in (block.gate_up, block.down)}
     try:
-        want = _evaluate(block.outputs[0], {**given, **weights}, program, sizes, generator)
+        want = _evaluate(block.outputs[0], {**given, **weights}, program, probe, sizes, generator)
     except _NotEvaluable:
         return None
     for normalize in (True, False):
@@ -169,7 +170,8 @@ class _NotEvaluable(Exception):
     pass
 
 
-def _evaluate(target: Node, known: dict[Node, object], program: ExportedProgram, sizes, generator) -> torch.Tensor:
+def _evaluate(target: Node, known: dict[Node, object], program: ExportedProgram, probe: dict[str, torch.Tensor],
+              sizes, generator) -> torch.Tensor:
     """Run the nodes between ``known`` values and ``target`` in program order (so in-place ops apply
     where they did). Model inputs may only be read for their sizes (probe values), parameters the
     block reads besides its experts' weights get random values; any other tensor from outside means
@@ -180,9 +182,9 @@ def _evaluate(target: Node, known: dict[Node, object], program: ExportedProgram,
         if node.op == "placeholder" and node.name in user_inputs and any(
                 user in pending and user.target is not _aten.sym_size.int for user in node.users):
             raise _NotEvaluable(node.name)
-    probe = probe_inputs(program, length=_PROBE_TOKENS)
     values = dict(known)
-    for node in sorted(pending, key=_order(program).__getitem__):
+    order = {node: index for index, node in enumerate(program.graph.nodes)}
+    for node in sorted(pending, key=order.__getitem__):
         if node.op == "placeholder":
             values[node] = probe[node.name] if node.name in user_inputs else _random(node, sizes, generator)
         elif node.op == "call_function":
@@ -203,10 +205,6 @@ def _between(target: Node, known: dict) -> set[Node]:
         seen.add(node)
         stack.extend(node.all_input_nodes)
     return seen
-
-
-def _order(program: ExportedProgram) -> dict[Node, int]:
-    return {node: i for i, node in enumerate(program.graph.nodes)}
 
 
 def _symbol_sizes(program: ExportedProgram, probe: dict[str, torch.Tensor]) -> dict:

@@ -259,6 +259,25 @@ def alternating_generation(packages: dict, length: int, decode_tokens: int, repe
     return results
 
 
+def print_generation_table(heading: str, column: str, packages: dict, results: dict, base: str, base_label: str,
+                           extra: tuple[str, object] | None = None) -> None:
+    """One row per variant of ``alternating_generation``'s results: an optional column ``extra``
+    (header, value of a package), TTFT and decode tokens/s (medians), decode against ``base``."""
+    extra_header = f" {extra[0]} |" if extra else ""
+    print(f"\n## {heading}\n")
+    print(f"| {column} |{extra_header} TTFT ms | decode tokens/s | decode vs {base_label} |\n"
+          f"|---|{'---:|' if extra else ''}---:|---:|---:|")
+    base_rate = statistics.median(results[base]["decode"])
+    for variant, package in packages.items():
+        ttft, rate = statistics.median(results[variant]["ttft"]), statistics.median(results[variant]["decode"])
+        value = f" {extra[1](package)} |" if extra else ""
+        print(f"| {variant} |{value} {ttft * 1000:.0f} | {rate:.1f} | {rate / base_rate:.2f}x |")
+
+
+def _nodes(package) -> int:
+    return sum(package.report.op_counts.values())
+
+
 def benchmark_attention(args) -> None:
     """Plain attention (the cpu profile without GroupQueryAttention, separate past/present
     buffers) vs GroupQueryAttention on rotated q/k vs GroupQueryAttention applying the rotary
@@ -310,14 +329,10 @@ def benchmark_graph_capture(args) -> None:
             packages[variant] = export(loaded.model, loaded.tokenizer, ep="webgpu", graph_capture=capture,
                                        output_dir=Path(scratch) / variant.replace(" ", "-"))
         results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
-        print(f"\n## WebGPU graph capture, {args.model}, ONNX Runtime GenAI on the WebGPU EP fp32, {length}-token "
-              f"prompt, {args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)\n")
-        print("| variant | ONNX nodes | TTFT ms | decode tokens/s | decode vs off |\n|---|---:|---:|---:|---:|")
-        base = statistics.median(results["capture off"]["decode"])
-        for variant, package in packages.items():
-            ttft, rate = statistics.median(results[variant]["ttft"]), statistics.median(results[variant]["decode"])
-            print(f"| {variant} | {sum(package.report.op_counts.values())} | {ttft * 1000:.0f} | {rate:.1f} | "
-                  f"{rate / base:.2f}x |")
+        print_generation_table(
+            f"WebGPU graph capture, {args.model}, ONNX Runtime GenAI on the WebGPU EP fp32, {length}-token prompt, "
+            f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)",
+            "variant", packages, results, "capture off", "off", ("ONNX nodes", _nodes))
 
 
 def benchmark_fusions(args) -> None:
@@ -362,14 +377,11 @@ def benchmark_tied_head(args) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         packages = export_variants(loaded, variants, scratch, "with the tied head ")
         results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
-        print(f"\n## Tied LM head, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, "
-              f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)\n")
-        print("| tied head | weights MiB | TTFT ms | decode tokens/s | decode vs twice |\n|---|---:|---:|---:|---:|")
-        base_rate = statistics.median(results["stored twice"]["decode"])
-        for variant, package in packages.items():
-            ttft, rate = statistics.median(results[variant]["ttft"]), statistics.median(results[variant]["decode"])
-            weights = package.report.initializers["total_bytes"] / 2**20
-            print(f"| {variant} | {weights:.1f} | {ttft * 1000:.0f} | {rate:.1f} | {rate / base_rate:.2f}x |")
+        print_generation_table(
+            f"Tied LM head, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, {args.decode_tokens} "
+            f"decoded tokens (median of {args.repeats}, alternating)",
+            "tied head", packages, results, "stored twice", "twice",
+            ("weights MiB", lambda package: f"{package.report.initializers['total_bytes'] / 2**20:.1f}"))
 
 
 def benchmark_mixture_of_experts(args) -> None:
@@ -392,14 +404,10 @@ def benchmark_mixture_of_experts(args) -> None:
         if not fused:
             raise SystemExit(f"{model}: no experts block became ONNX Runtime's MoE (see its report's notes)")
         results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
-        print(f"\n## Mixture of experts, {model} ({fused} MoE blocks), ONNX Runtime GenAI CPU fp32, {length}-token "
-              f"prompt, {args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)\n")
-        print("| experts | ONNX nodes | TTFT ms | decode tokens/s | decode vs plain |\n|---|---:|---:|---:|---:|")
-        base_rate = statistics.median(results["plain"]["decode"])
-        for variant, package in packages.items():
-            ttft, rate = statistics.median(results[variant]["ttft"]), statistics.median(results[variant]["decode"])
-            nodes = sum(package.report.op_counts.values())
-            print(f"| {variant} | {nodes} | {ttft * 1000:.0f} | {rate:.1f} | {rate / base_rate:.2f}x |")
+        print_generation_table(
+            f"Mixture of experts, {model} ({fused} MoE blocks), ONNX Runtime GenAI CPU fp32, {length}-token prompt, "
+            f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)",
+            "experts", packages, results, "plain", "plain", ("ONNX nodes", _nodes))
 
 
 def benchmark_truncation(args) -> None:

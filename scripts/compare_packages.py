@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark import alternating_generation  # noqa: E402  (the benchmark's own alternating runs)
+from benchmark import alternating_generation, print_generation_table  # noqa: E402  (the benchmark's own)
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,13 +53,8 @@ def main() -> None:
     packages = read_packages(args.packages)
     results = alternating_generation(packages, args.prompt_length, args.decode_tokens, args.repeats)
     first = next(iter(packages))
-    base = statistics.median(results[first]["decode"])
-    print(f"\n## ONNX Runtime GenAI CPU, {args.prompt_length}-token prompt, {args.decode_tokens} decoded tokens "
-          f"(median of {args.repeats}, alternating)\n")
-    print(f"| package | TTFT ms | decode tokens/s | decode vs {first} |\n|---|---:|---:|---:|")
-    for name in packages:
-        ttft, rate = statistics.median(results[name]["ttft"]), statistics.median(results[name]["decode"])
-        print(f"| {name} | {ttft * 1000:.0f} | {rate:.1f} | {rate / base:.2f}x |")
+    print_generation_table(f"ONNX Runtime GenAI CPU, {args.prompt_length}-token prompt, {args.decode_tokens} decoded "
+                           f"tokens (median of {args.repeats}, alternating)", "package", packages, results, first, first)
 
 
 if __name__ == "__main__":
