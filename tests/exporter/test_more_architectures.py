@@ -11,6 +11,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+import transformers
+from helpers.checkpoints import save_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -19,7 +21,7 @@ from test_parity import check_parity
 from ep_profiles import get_profile
 from exporter import ExporterError, export
 from exporter.cli import main
-from exporter.presets import build_preset
+from exporter.presets import build_preset, move_constant_tensors
 
 pytestmark = pytest.mark.l1
 
@@ -196,7 +198,13 @@ def test_unnormalised_routing_reaches_onnx_runtime_unnormalised(tmp_path):
     assert routers
     for router in routers:
         router.norm_topk_prob = False
-    package = export(model, tokenizer, output_dir=tmp_path / "out")
+    model.config.norm_topk_prob = False
+    assert move_constant_tensors(model)  # norm weights off 1, so a dropped one shows
+    # Saved and streamed back, as a user's checkpoint (the config carries the unnormalised routing).
+    folder = save_checkpoint(model, tokenizer, tmp_path / "checkpoint")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert not any(r.norm_topk_prob for r in model.modules() if type(r).__name__.endswith("TopKRouter"))
+    package = export(str(folder), output_dir=tmp_path / "out")
     graph = onnx.load(str(package.model_path), load_external_data=False).graph
     moes = [n for n in graph.node if n.op_type == "MoE"]
     assert len(moes) == 3
