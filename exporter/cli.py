@@ -16,6 +16,7 @@ from exporter.errors import ExporterError, environment_error
 from exporter.onnx_passes.quantize_int4 import Int4Options
 from exporter.pipeline import export
 from exporter.precisions import PRECISIONS, choose_precision
+from exporter.report import describe_graph_cache
 from exporter.presets import DEFAULT_PRESET
 from exporter.sources import describe_sources
 
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the context GenAI allocates and generates to (genai_config's context_length and "
                              "max_length; default: the model's own, capped by the EP's default, `list`); the "
                              "report gives the KV cache's size at it")
+    parser.add_argument("--no-cache", dest="cache", action="store_false",
+                        help="do not read or keep lowered graphs in the graph cache (by default a re-export of "
+                             "the same architecture and options with other weights reuses them: "
+                             "$XDG_CACHE_HOME/genai-exporter/graphs; off also with GENAI_EXPORTER_NO_CACHE=1)")
+    parser.add_argument("--cache-dir", type=Path, metavar="DIR",
+                        help="keep the graph cache in DIR instead")
     parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds an earlier package")
     parser.add_argument("--full-logits", action="store_true",
                         help="output logits for every position (for scoring); by default only each "
@@ -257,6 +264,7 @@ def _export(args, output: Path, int4) -> int:
             int4_encoders=args.int4_encoders,
             progress=True,
             max_length=args.max_length,
+            cache=(args.cache_dir or True) if args.cache else False,
         )
     except ExporterError as error:
         if args.debug:
@@ -288,6 +296,7 @@ def _export(args, output: Path, int4) -> int:
         f"{weight_bytes / 2**20:.1f} MiB of weights, "
         f"{len(result.layout.kv_layers)} KV-cache layers of {result.layout.num_layers}"
     )
+    print(f"graph cache: {describe_graph_cache(report.graph_cache)}")
     for note in report.notes:
         print(f"note: {note}")
     return 0

@@ -14,7 +14,7 @@ from typing import Any
 
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
-from exporter import destination, package, postconditions, weights
+from exporter import destination, graph_cache, package, postconditions, weights
 from exporter.errors import ExporterBug, ExporterError, environment_error
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
@@ -69,6 +69,7 @@ class ExportedPackage:
             "layers": self.layout.num_layers,
             "kv_cache_layers": len(self.layout.kv_layers),
             "kv_cache": report.kv_cache,
+            "graph_cache": report.graph_cache,
             "sessions": {
                 name: {
                     "file": session.filename,
@@ -110,6 +111,7 @@ def export(
     on_stage: Callable[[str, StageRecord | None], None] | None = None,
     progress: bool = False,
     max_length: int | None = None,
+    cache: bool | str | Path = True,
 ) -> ExportedPackage:
     """Export a decoder LM to an ONNX Runtime GenAI package in ``output_dir``.
 
@@ -132,6 +134,10 @@ def export(
     allocates and generates to (genai_config's context_length and search.max_length); by default
     the model's own, capped by the profile's default (webgpu: 4096, since under graph capture the
     whole KV buffer is allocated up front). The report gives the KV cache's bytes at that length.
+    ``cache``: where lowered graphs are kept for re-exports of the same architecture with other
+    weights (``exporter.graph_cache``): True for ``$XDG_CACHE_HOME/genai-exporter/graphs`` (off where
+    ``GENAI_EXPORTER_NO_CACHE=1``), a folder, or False for none. A package is byte-identical
+    whether or not its graphs came from the cache.
     """
     profile = _profile(ep)
     precision = choose_precision(profile, precision)
@@ -162,11 +168,13 @@ def export(
     report.kv_cache = {"max_length": length, "element_bytes": compute_dtype.itemsize,
                        "bytes": settings.layout.kv_cache_bytes(length, compute_dtype.itemsize)}
 
+    cached_graphs = _graph_cache(cache, prepared, settings, plan, report)
+
     models, attached, read = {}, 0, set()
     for session_plan in plan.sessions:
         session = SESSIONS[session_plan.name]
         models[session.name], count, session_read, settings = _export_session(
-            session, session_plan, loaded, prepared, settings, report, stages)
+            session, session_plan, prepared, settings, report, stages, cached_graphs)
         attached, read = attached + count, read | session_read
     if loaded.weights is not None:
         report.notes += weights.account(loaded.weights, attached, read, strict)
@@ -238,33 +246,84 @@ def _fewest_weight_bytes(prepared, settings: ExportSettings, plan: ExportPlan) -
     return int(elements * min(settings.stored_weight_bytes(SESSIONS[s.name]) for s in plan.sessions))
 
 
-def _export_session(session, session_plan, loaded, prepared, settings: ExportSettings, report: ExportReport,
-                    stages: StageLog):
-    """One session: trace -> FX passes -> lower (weights attached lazily) -> ONNX passes ->
-    post-conditions. Returns its ONNX model, how many initializers read the checkpoint, which
-    saved tensors they read, and the settings with the decoder layers that kept plain attention."""
+def _export_session(session, session_plan, prepared, settings: ExportSettings, report: ExportReport,
+                    stages: StageLog, cached_graphs: tuple[graph_cache.GraphCache, dict] | None):
+    """One session: its lowered graph from the cache, or trace -> FX passes -> lower; then weights
+    attached lazily -> ONNX passes -> post-conditions. Returns its ONNX model, how many initializers
+    read the weight source, which saved tensors they read, and the settings with the decoder layers
+    that kept plain attention."""
     session_report = report.sessions[session.name] = SessionReport(session.filename(settings))
-    attached, read = 0, set()
-    with stages.stage(_stage("trace", session, settings)):
-        traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
-    with stages.stage(_stage("fx_passes", session, settings)):
-        program = _run_fx_passes(traced.program, session, session_plan, settings, session_report, report)
-        settings = _with_plain_attention_layers(settings, session, session_report)
-    with stages.stage(_stage("lower", session, settings)):
-        onnx_model = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
-                               session.input_names(settings), session.output_names(settings))
-        module = traced.module
-        del program, traced
-        if loaded.weights is not None:
-            names = weights.tensor_names(module, prepared.model)
-            attached, read = weights.attach(onnx_model, loaded.weights, prepared.saved_shapes, names)
+    lowered = cached_graphs[0].read(session.name) if cached_graphs is not None else None
+    if lowered is not None:
+        report.graph_cache["sessions"][session.name] = "hit"
+        with stages.stage(_stage("graph_cache", session, settings)):
+            onnx_model = lowered.model()
+    else:
+        lowered, onnx_model = _lower_session(session, session_plan, prepared, settings, stages)
+        if cached_graphs is not None:
+            with stages.stage(_stage("graph_cache", session, settings)):
+                _write_to_cache(cached_graphs, session.name, lowered, report)
+    session_report.fx_passes = lowered.fx_passes
+    report.notes += _fx_pass_notes(session_plan, lowered.fx_passes)
+    settings = _with_plain_attention_layers(settings, session, session_report)
     with stages.stage(_stage("onnx_passes", session, settings)):
+        attached, read = weights.attach(onnx_model, prepared.weight_source, lowered.recipes)
         _run_onnx_passes(onnx_model, session_plan, settings, session_report)
         postconditions.require(onnx_model, settings, session)
         if note := postconditions.uncaptured_cpu_note(onnx_model, settings, session):
             report.notes.append(note)
     session_report.describe_graph(onnx_model)
     return onnx_model, attached, read, settings
+
+
+def _lower_session(session, session_plan, prepared, settings: ExportSettings, stages: StageLog):
+    """Trace -> FX passes -> lower; the graph is serialized with its weights as placeholders and
+    read back, so that the steps after it see the graph a cache would give."""
+    with stages.stage(_stage("trace", session, settings)):
+        traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
+    with stages.stage(_stage("fx_passes", session, settings)):
+        program, fx_records = _run_fx_passes(traced.program, session_plan, settings, session)
+    with stages.stage(_stage("lower", session, settings)):
+        onnx_model = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
+                               session.input_names(settings), session.output_names(settings))
+        names = weights.tensor_names(traced.module, prepared.model)
+        del program, traced
+        recipes = weights.detach(onnx_model, prepared.saved_shapes, names, real_weights=prepared.weights_in_model)
+        lowered = graph_cache.LoweredSession.of(onnx_model, recipes, fx_records)
+        return lowered, lowered.model()
+
+
+def _graph_cache(cache: bool | str | Path, prepared, settings: ExportSettings, plan: ExportPlan,
+                 report: ExportReport) -> tuple[graph_cache.GraphCache, dict] | None:
+    """The export's cache entry and its key's ingredients (None where the cache is off, and the
+    report says why)."""
+    folder = graph_cache.chosen_folder(cache)
+    if folder is None:
+        report.graph_cache = {"off": "cache=False (--no-cache)" if cache is False
+                              else f"{graph_cache.NO_CACHE_VARIABLE} is set"}
+        return None
+    source = prepared.weight_source
+    source_kind = (f"{type(source).__name__}, buffers {'read' if source.provides_buffers else 'as built'}, "
+                   f"traced {'with' if prepared.weights_in_model else 'without'} values")
+    ingredients = graph_cache.key_ingredients(prepared.model, prepared.model.state_dict(keep_vars=True),
+                                              source_kind, settings, plan)
+    if isinstance(ingredients, str):
+        report.graph_cache = {"off": ingredients}
+        return None
+    key = graph_cache.key_of(ingredients)
+    report.graph_cache = {"folder": str(folder), "key": key, "sessions": {}}
+    return graph_cache.GraphCache(folder, key), ingredients
+
+
+def _write_to_cache(cached_graphs: tuple[graph_cache.GraphCache, dict], session: str, lowered,
+                    report: ExportReport) -> None:
+    """A cache that cannot be written costs the next export its time, never this one's package."""
+    entry, ingredients = cached_graphs
+    try:
+        entry.write(session, lowered, ingredients)
+        report.graph_cache["sessions"][session] = "written"
+    except OSError as error:
+        report.graph_cache["sessions"][session] = f"not written ({error.strerror or error})"
 
 
 def _with_plain_attention_layers(settings: ExportSettings, session, session_report: SessionReport) -> ExportSettings:
@@ -320,8 +379,7 @@ def _new_report(loaded, settings: ExportSettings, plan: ExportPlan) -> ExportRep
     return report
 
 
-def _run_fx_passes(program, session, session_plan, settings: ExportSettings, session_report: SessionReport,
-                   report: ExportReport):
+def _run_fx_passes(program, session_plan, settings: ExportSettings, session):
     context = PassContext(profile=settings.profile, layout=settings.layout, precision=settings.precision,
                           weight_bytes=settings.stored_weight_bytes(session), graph_capture=session.captured(settings))
     passes = [FX_PASSES[p.name] for p in session_plan.fx_passes]
@@ -329,11 +387,14 @@ def _run_fx_passes(program, session, session_plan, settings: ExportSettings, ses
         program, records = run_fx_passes(program, passes, context)
     except PassDidNotApply as error:
         raise ExporterError(f"FX pass failed: {error}") from error
-    session_report.fx_passes = [dataclasses.asdict(r) for r in records]
-    # A pass may say in words what its counts mean (the truncation: where it cut, what it saves).
-    report.notes += [note for p, r in zip(passes, records, strict=True)
-                     if (describe := getattr(p, "note", None)) and (note := describe(r.changes))]
-    return program
+    return program, [dataclasses.asdict(r) for r in records]
+
+
+def _fx_pass_notes(session_plan, records: list[dict]) -> list[str]:
+    """What a pass says in words of its counts (the truncation: where it cut, what it saves)."""
+    passes = [FX_PASSES[p.name] for p in session_plan.fx_passes]
+    return [note for p, r in zip(passes, records, strict=True)
+            if (describe := getattr(p, "note", None)) and (note := describe(r["changes"]))]
 
 
 def _run_onnx_passes(onnx_model, session, settings: ExportSettings, report: SessionReport) -> None:

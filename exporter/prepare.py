@@ -22,9 +22,12 @@ class PreparedModel:
     model: transformers.PreTrainedModel  # the whole model: a multimodal one's towers too
     decoder: transformers.PreTrainedModel  # its causal LM (``model`` itself, or a view of its parts)
     layout: DecoderLayout
-    # Every saved tensor's shape, for matching initializers to tensors; None where the weights are
-    # in the model.
-    saved_shapes: dict[str, tuple[int, ...]] | None
+    # Every saved tensor's shape, for matching initializers to tensors.
+    saved_shapes: dict[str, tuple[int, ...]]
+    # Where the package's weights are read when it is written: the loaded source's, or the model's
+    # own tensors where the model holds them (then traced with their values: ``weights_in_model``).
+    weight_source: weights.WeightSource
+    weights_in_model: bool
 
 
 def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
@@ -49,11 +52,11 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
             f"{type(error).__name__}: {_first_line(error)}; if the model runs in transformers, this is the "
             "exporter's limit: please report it with the model's config (--debug shows the traceback)"
         ) from error
-    saved_shapes = None
-    if loaded.weights is not None:
-        saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
-        weights.fake_weights(model, buffers=loaded.weights.provides_buffers)
-    return PreparedModel(model, decoder, layout, saved_shapes)
+    saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    if loaded.weights is None:
+        return PreparedModel(model, decoder, layout, saved_shapes, weights.ModelWeights(model), weights_in_model=True)
+    weights.fake_weights(model, buffers=loaded.weights.provides_buffers)
+    return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights, weights_in_model=False)
 
 
 def causal_lm_view(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:

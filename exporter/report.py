@@ -71,6 +71,9 @@ class ExportReport:
     notes: list[str] = field(default_factory=list)
     # The KV cache at genai_config's max_length: {"max_length", "element_bytes", "bytes"} (batch 1).
     kv_cache: dict[str, int] = field(default_factory=dict)
+    # The graph cache (``exporter.graph_cache``): {"folder", "key", "sessions": {name: "hit" |
+    # "written" | why not written}}, or {"off": why}.
+    graph_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
@@ -112,6 +115,7 @@ class ExportReport:
             "sessions": {name: dataclasses.asdict(session) for name, session in self.sessions.items()},
             "files": self.files,
             "kv_cache": self.kv_cache,
+            "graph_cache": self.graph_cache,
             "notes": self.notes,
         }
 
@@ -129,6 +133,8 @@ class ExportReport:
         if self.kv_cache:
             lines.append(f"- KV cache at max_length {self.kv_cache['max_length']}: "
                          f"{self.kv_cache['bytes'] / mib:.1f} MiB per sequence")
+        if self.graph_cache:
+            lines.append(f"- graph cache: {describe_graph_cache(self.graph_cache)}")
         lines += [f"- note: {note}" for note in self.notes]
         lines += ["", "## Stages", "", "| stage | seconds | peak RSS MiB |", "|---|---:|---:|"]
         lines += [
@@ -137,6 +143,13 @@ class ExportReport:
         for name, session in self.sessions.items():
             lines += _session_markdown(name, session)
         return "\n".join(lines) + "\n"
+
+
+def describe_graph_cache(cache: dict[str, Any]) -> str:
+    if "off" in cache:
+        return f"off ({cache['off']})"
+    sessions = ", ".join(f"{name} {state}" for name, state in cache["sessions"].items())
+    return f"{sessions} (key {cache['key'][:12]} in {cache['folder']})"
 
 
 def _session_markdown(name: str, session: SessionReport) -> list[str]:

@@ -5,9 +5,11 @@ Gemma 4 E2B has 5.1 B parameters (20 GiB in fp32, 10 GiB in fp16); a 24 GiB mach
 them next to the traced program and their converted copies. So for a checkpoint folder (and for
 ``--random-weights``) the model is built with its parameters on the meta device
 (``build_on_meta``: nothing allocated; buffers real, from transformers' init), traced with fake tensors, and after
-lowering every weight initializer becomes an ``onnx_ir.LazyTensor`` that reads its tensor from the
-safetensors files (only the slice a split piece needs) or draws it, at the moment ``onnx_ir.save``
-writes it. Each weight is materialised once, at the package's precision; later lazy steps
+lowering every weight initializer becomes a placeholder (``detach``; the lowered graph then serves
+any weights of its architecture: ``exporter.graph_cache``) and then an ``onnx_ir.LazyTensor``
+(``attach``) that reads its tensor from the safetensors files (only the slice a split piece needs),
+draws it, or takes it from a model in memory (``ModelWeights``: traced with its values, written the
+same way), at the moment ``onnx_ir.save`` writes it. Each weight is materialised once, at the package's precision; later lazy steps
 (transpose, int4 blocks) chain on it.
 
 "Weights" are everything the model saves: its ``state_dict()``, parameters and persistent buffers
@@ -35,6 +37,7 @@ from typing import Protocol
 
 import onnx_ir as ir
 import torch
+from onnx_ir.tensor_adapters import to_torch_dtype
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from exporter.checkpoint_conversions import ConvertedTensors, plan_conversions
@@ -169,6 +172,25 @@ class RandomWeights:
             return torch.full(shape, TEMPERED_QK_NORM_SCALE if name.endswith(_QK_NORMS) else 1.0, dtype=dtype)
         generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}:{index}".encode()))
         return (torch.randn(shape, generator=generator) * self.std).to(dtype)
+
+
+class ModelWeights:
+    """The tensors of a model in memory (a caller's model, a preset, pickled weights loaded whole),
+    read when the package is written as a checkpoint's are: a graph traced from one model serves
+    any weights of its architecture (``exporter.graph_cache``)."""
+
+    provides_buffers = True
+    description = "the model in memory"
+
+    def __init__(self, model: torch.nn.Module):
+        self.saved = model.state_dict(keep_vars=True)
+
+    def tensor(self, name: str, index: Index, dtype: torch.dtype) -> torch.Tensor:
+        values = self.saved[name].detach()
+        return (values if index is None else values[index]).to(dtype)
+
+    def unread(self, read: set[str]) -> UnreadTensors:
+        return UnreadTensors()  # the model's tensors are the saved tensors: nothing else to account for
 
 
 def _open_safetensors(path: Path):
@@ -406,34 +428,68 @@ def tensor_names(module: torch.nn.Module, model: torch.nn.Module) -> dict[str, s
             for name, tensor in module.state_dict(keep_vars=True).items() if id(tensor) in in_model}
 
 
-def attach(model: ir.Model, source: WeightSource, shapes: dict[str, tuple[int, ...]],
-           names: dict[str, str] | None = None) -> tuple[int, set[str]]:
-    """Give every fake-valued initializer a lazy tensor from ``source``, in the initializer's own
-    dtype (a parameter's is the export's compute dtype; an integer buffer stays integer).
-    ``shapes``: the source model's saved tensors; ``names``: the traced module's tensor names ->
-    the source model's (``tensor_names``; None where they are the same). Returns how many
-    initializers, and the saved tensor names they read."""
-    read = set()
-    recipes = _recipes(model, shapes, names or {})
+# Where a weight initializer's placeholder points until ``attach`` gives it its values: a lowered
+# graph holds no weight, so it serializes small and serves any checkpoint of its architecture.
+WEIGHT_PLACEHOLDER = "genai-exporter:weight"
+
+# initializer name -> (saved tensor name, slice of it or None): where ``attach`` reads its values.
+Recipes = dict[str, tuple[str, Index]]
+
+
+def detach(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[str, str] | None = None,
+           real_weights: bool = False) -> Recipes:
+    """Replace every weight initializer's values with a placeholder (an external tensor at
+    ``WEIGHT_PLACEHOLDER``) and say where ``attach`` will read them. Weights are the fake
+    initializers, and with ``real_weights`` (a model traced with its values in memory) every
+    initializer that is a saved tensor of the model or a piece of one; other initializers
+    (constants, non-persistent buffers) keep their values. ``shapes``: the source model's saved
+    tensors; ``names``: the traced module's tensor names -> the source model's (``tensor_names``)."""
+    recipes = _recipes(model, shapes, names or {}, real_weights)
+    for name in recipes:
+        value = model.graph.initializers[name]
+        tensor = value.const_value
+        value.const_value = ir.ExternalTensor(WEIGHT_PLACEHOLDER, offset=None, length=None, dtype=tensor.dtype,
+                                              shape=ir.Shape(tensor.shape.numpy()), name=name)
+    return recipes
+
+
+def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> tuple[int, set[str]]:
+    """Give every placeholder initializer a lazy tensor that reads its recipe's tensor from
+    ``source`` when the package is written, in the initializer's own dtype (a parameter's is the
+    export's compute dtype; an integer buffer stays integer). Returns how many initializers, and
+    the saved tensor names they read."""
     for name, (tensor_name, index) in recipes.items():
         value = model.graph.initializers[name]
         placeholder = value.const_value
-        dtype = placeholder.raw.dtype
+        if not (isinstance(placeholder, ir.ExternalTensor) and str(placeholder.location) == WEIGHT_PLACEHOLDER):
+            raise RuntimeError(f"initializer {name} is not a weight placeholder")
 
-        def materialise(tensor_name=tensor_name, index=index, name=name, dtype=dtype) -> ir.TensorProtocol:
+        def materialise(tensor_name=tensor_name, index=index, name=name,
+                        dtype=to_torch_dtype(placeholder.dtype)) -> ir.TensorProtocol:
             return _to_ir(source.tensor(tensor_name, index, dtype), name)
 
         value.const_value = ir.LazyTensor(materialise, dtype=placeholder.dtype, shape=placeholder.shape, name=name)
-        read.add(tensor_name)
-    return len(recipes), read
+    return len(recipes), {tensor_name for tensor_name, _ in recipes.values()}
 
 
-def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[str, str]) -> dict[str, tuple[str, Index]]:
-    """initializer name -> (saved tensor name, slice of it or None)."""
-    recipes: dict[str, tuple[str, Index]] = {}
+def recipes_to_json(recipes: Recipes) -> dict[str, list]:
+    return {name: [tensor_name, None if index is None else [[s.start, s.stop] for s in index]]
+            for name, (tensor_name, index) in recipes.items()}
+
+
+def recipes_from_json(data: dict[str, list]) -> Recipes:
+    return {name: (tensor_name, None if index is None else tuple(slice(start, stop) for start, stop in index))
+            for name, (tensor_name, index) in data.items()}
+
+
+def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[str, str],
+             real_weights: bool) -> Recipes:
+    recipes: Recipes = {}
     pieces: dict[tuple[str, str], list[tuple[int, str, tuple[int, ...]]]] = collections.defaultdict(list)
     for name, value in model.graph.initializers.items():
-        if not _is_fake(value.const_value):
+        if value.const_value is None:
+            continue
+        if not _is_fake(value.const_value) and not (real_weights and _is_saved_tensor(name, shapes, names)):
             continue
         match = _PIECE.match(name)
         if match:
@@ -453,6 +509,12 @@ def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[st
         if start != whole[axis]:
             raise RuntimeError(f"pieces of {target} cover {start} of {whole[axis]} along axis {axis}")
     return recipes
+
+
+def _is_saved_tensor(name: str, shapes, names: dict[str, str]) -> bool:
+    match = _PIECE.match(name)
+    target = (match["source"] if match else name).removeprefix(_TARGET_PREFIX)
+    return names.get(target, target) in shapes
 
 
 def _tensor_name(target: str, shapes, names: dict[str, str]) -> str:

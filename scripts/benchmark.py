@@ -8,6 +8,7 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py --attention           # GroupQueryAttention vs plain attention
     python scripts/benchmark.py --tied-head           # tied LM head stored twice vs once
     python scripts/benchmark.py tiny-gemma-4 --graph-capture   # WebGPU decode, graph capture on vs off
+    python scripts/benchmark.py --reexport            # re-export with other weights: graph cache vs none
 
 --truncation exports the model twice (last-token passes on, and off via full_logits), then times
 time-to-first-token for both packages alternately in one run, next to the ratio predicted from
@@ -53,6 +54,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--moe", action="store_true",
                         help="compare routed experts as MatMuls over gathered weights (plain) with ONNX Runtime's "
                              "MoE op: TTFT and decode at the longest prompt (default model: qwen3-moe-shape)")
+    parser.add_argument("--reexport", action="store_true",
+                        help="re-export another checkpoint of the model (a save_pretrained folder, and the model in "
+                             "memory after a training step) with the graph cache vs without: wall seconds, "
+                             "alternating, and whether the packages are byte-identical")
     parser.add_argument("--graph-capture", action="store_true",
                         help="WebGPU EP (needs onnxruntime-ep-webgpu and an adapter): TTFT and decode with graph "
                              "capture on vs off (--no-graph-capture)")
@@ -438,8 +443,76 @@ def benchmark_truncation(args) -> None:
                   f"{(off / on) / predicted - 1:+.0%} |")
 
 
+def benchmark_reexport(args) -> None:
+    """A training run's second checkpoint exported with the graph cache (filled by the first) and
+    without it, taking turns, from a save_pretrained folder and from the model in memory."""
+    import hashlib
+
+    import torch
+
+    from exporter.sources import load
+
+    def nudge(model, seed: int) -> None:  # a training step: every floating saved tensor moves
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for tensor in {t.data_ptr(): t for t in model.state_dict(keep_vars=True).values()}.values():
+                if tensor.is_floating_point():
+                    tensor.add_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 1e-3)
+
+    def timed_export(source, tokenizer, output: Path, cache) -> tuple[float, object]:
+        start = time.perf_counter()
+        package = export(source, tokenizer, output_dir=output, overwrite=True, cache=cache)
+        return time.perf_counter() - start, package
+
+    def data_digest(package) -> str:
+        return hashlib.sha256((package.path / "model.onnx.data").read_bytes()).hexdigest()
+
+    loaded = load(args.model)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        cache = root / "cache"
+        print("saving two checkpoints ...", file=sys.stderr, flush=True)
+        model.save_pretrained(root / "step1")
+        tokenizer.save_pretrained(root / "step1")
+        nudge(model, 1)
+        model.save_pretrained(root / "step2")
+        tokenizer.save_pretrained(root / "step2")
+        rows = []
+        for where, first, second, token_source in (("folder", str(root / "step1"), str(root / "step2"), None),
+                                                    ("in memory", model, model, tokenizer)):
+            print(f"exporting the first checkpoint ({where}), filling the cache ...", file=sys.stderr, flush=True)
+            if where == "in memory":
+                nudge(model, 2)  # the in-memory model trains on past the saved checkpoint
+            filled, _ = timed_export(first, token_source, root / "first", cache)
+            if where == "in memory":
+                nudge(model, 3)
+            times = {"cached": [], "uncached": []}
+            digests = {}
+            for repeat in range(args.repeats):
+                for variant in (("cached", "uncached") if repeat % 2 == 0 else ("uncached", "cached")):
+                    print(f"  {where}: re-export {variant} ...", file=sys.stderr, flush=True)
+                    seconds, package = timed_export(second, token_source, root / variant,
+                                                    cache if variant == "cached" else False)
+                    times[variant].append(seconds)
+                    digests[variant] = data_digest(package)
+                    if variant == "cached" and package.report.graph_cache["sessions"].get("decoder") != "hit":
+                        raise SystemExit(f"the cached re-export missed: {package.report.graph_cache}")
+            rows.append((where, filled, statistics.median(times["uncached"]), statistics.median(times["cached"]),
+                         digests["cached"] == digests["uncached"]))
+    print(f"\n## Re-export of {args.model} with other weights, cpu fp32 (median of {args.repeats}, alternating)\n")
+    print("| source | first export (fills the cache) s | re-export, no cache s | re-export, cache s | "
+          "cache / no cache | byte-identical |\n|---|---:|---:|---:|---:|---|")
+    for where, filled, uncached, cached, identical in rows:
+        print(f"| {where} | {filled:.1f} | {uncached:.1f} | {cached:.1f} | {cached / uncached:.2f} | "
+              f"{'yes' if identical else 'NO'} |")
+
+
 def main() -> None:
     args = parse_args()
+    if args.reexport:
+        benchmark_reexport(args)
+        return
     if args.truncation:
         benchmark_truncation(args)
         return

@@ -1,0 +1,210 @@
+"""The graph cache: a re-export of the same architecture and options with other weights reuses the
+lowered graph, and its package is byte-identical to one exported without the cache; anything that
+changes the graph misses; a broken or unwritable cache costs time, never a wrong package."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
+
+from ep_profiles import get_profile
+from exporter import export, graph_cache
+from exporter.presets import build_preset
+
+PACKAGE_FILES = ("model.onnx", "model.onnx.data", "genai_config.json")
+PRESET = "tiny-gemma-4"  # layer_scalar buffers, KV-shared layers, a tied head: every kind of saved tensor
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in PACKAGE_FILES}
+
+
+@torch.no_grad()
+def trained(seed: int):
+    """The preset's model as a checkpoint of a training run: every constant saved tensor moved (by
+    ``seed``) and every floating saved tensor, matrices too, nudged by ``seed``'s noise."""
+    model, tokenizer = build_preset(PRESET)
+    perturb_constant_tensors(model, seed)
+    take_training_step(model, seed)
+    return model, tokenizer
+
+
+@torch.no_grad()
+def take_training_step(model, seed: int) -> None:
+    generator = torch.Generator().manual_seed(1000 + seed)
+    seen = set()
+    for tensor in model.state_dict(keep_vars=True).values():
+        if tensor.is_floating_point() and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            tensor.add_(torch.randn(tensor.shape, generator=generator) * 1e-2 * (tensor.std() if tensor.numel() > 1 else 1))
+
+
+def stage_names(package) -> list[str]:
+    return [stage["name"] for stage in package.report.stages]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graph-cache-checkpoints")
+    folders = []
+    for seed in (0, 1):
+        model, tokenizer = trained(seed)
+        folders.append(save_checkpoint(model, tokenizer, root / f"step{seed}"))
+    return folders
+
+
+@pytest.fixture(scope="module")
+def first_export(checkpoints, tmp_path_factory):
+    """The first checkpoint exported into an empty cache (a copy per test that changes the cache)."""
+    root = tmp_path_factory.mktemp("graph-cache-first")
+    package = export(str(checkpoints[0]), output_dir=root / "package", cache=root / "cache")
+    return package, root / "cache"
+
+
+def cache_copy(first_export, tmp_path) -> Path:
+    shutil.copytree(first_export[1], tmp_path / "cache")
+    return tmp_path / "cache"
+
+
+@pytest.mark.l1
+def test_reexport_of_another_checkpoint_reuses_the_graph_and_is_byte_identical(first_export, checkpoints, tmp_path):
+    first, cache = first_export
+    assert first.report.graph_cache["sessions"] == {"decoder": "written"}
+    assert "trace" in stage_names(first)
+
+    again = export(str(checkpoints[1]), output_dir=tmp_path / "again", cache=cache_copy(first_export, tmp_path))
+    assert again.report.graph_cache["sessions"] == {"decoder": "hit"}
+    assert again.report.graph_cache["key"] == first.report.graph_cache["key"]
+    assert stage_names(again) == ["load", "graph_cache", "onnx_passes", "package"]
+
+    uncached = export(str(checkpoints[1]), output_dir=tmp_path / "uncached", cache=False)
+    assert uncached.report.graph_cache == {"off": "cache=False (--no-cache)"}
+    assert digests(again.path) == digests(uncached.path)
+    # The hit read the second checkpoint's weights, not the first's.
+    assert digests(again.path)["model.onnx.data"] != digests(first.path)["model.onnx.data"]
+
+
+@pytest.mark.l1
+def test_in_memory_model_after_more_training_steps_hits_with_its_new_weights(tmp_path):
+    """A training loop's exports: the same model object, its weights changed in place."""
+    model, tokenizer = trained(0)
+    cache = tmp_path / "cache"
+    first = export(model, tokenizer, output_dir=tmp_path / "first", cache=cache)
+    take_training_step(model, seed=7)
+    again = export(model, tokenizer, output_dir=tmp_path / "again", cache=cache)
+    assert again.report.graph_cache["sessions"] == {"decoder": "hit"}
+    uncached = export(model, tokenizer, output_dir=tmp_path / "uncached", cache=False)
+    assert digests(again.path) == digests(uncached.path)
+    assert digests(again.path)["model.onnx.data"] != digests(first.path)["model.onnx.data"]
+
+
+@pytest.mark.l1
+@pytest.mark.slow
+def test_what_changes_the_graph_changes_the_key(first_export, checkpoints, tmp_path):
+    """An option, and a config value that changes no tensor's shape, each miss."""
+    first, cache = first_export
+    window = tmp_path / "window"
+    shutil.copytree(checkpoints[0], window)
+    config = json.loads((window / "config.json").read_text())
+    config["sliding_window"] //= 2
+    (window / "config.json").write_text(json.dumps(config))
+    keys = {first.report.graph_cache["key"]}
+    for name, source, options in (("full logits", checkpoints[0], {"full_logits": True}),
+                                  ("half the window", window, {})):
+        package = export(str(source), output_dir=tmp_path / name / "package",
+                         cache=cache_copy(first_export, tmp_path / name), **options)
+        assert package.report.graph_cache["sessions"] == {"decoder": "written"}, name
+        keys.add(package.report.graph_cache["key"])
+    assert len(keys) == 3
+
+
+@pytest.mark.l1
+def test_models_running_code_no_key_sees_are_not_cached(tmp_path):
+    model, tokenizer = build_preset("tiny-llama")
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda module, args, output: output * 2)
+    try:
+        package = export(model, tokenizer, output_dir=tmp_path / "hooked", cache=tmp_path / "cache")
+    finally:
+        handle.remove()
+    assert package.report.graph_cache == {"off": "module 'model.layers.0.mlp' has forward hooks"}
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.l1
+def test_a_torn_entry_is_a_miss_and_is_rewritten(first_export, checkpoints, tmp_path):
+    first, _ = first_export
+    cache = cache_copy(first_export, tmp_path)
+    graph = cache / first.report.graph_cache["key"] / "decoder.onnx"
+    graph.write_bytes(graph.read_bytes()[:-10])
+    again = export(str(checkpoints[0]), output_dir=tmp_path / "again", cache=cache)
+    assert again.report.graph_cache["sessions"] == {"decoder": "written"}
+    assert digests(again.path) == digests(first.path)
+    third = export(str(checkpoints[0]), output_dir=tmp_path / "third", cache=cache)
+    assert third.report.graph_cache["sessions"] == {"decoder": "hit"}
+
+
+@pytest.mark.l1
+def test_an_unwritable_cache_does_not_fail_the_export(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    model, tokenizer = build_preset("tiny-llama")
+    package = export(model, tokenizer, output_dir=tmp_path / "out", cache=blocker / "cache")
+    assert package.report.graph_cache["sessions"]["decoder"].startswith("not written")
+    assert (package.path / "model.onnx").is_file()
+
+
+@pytest.mark.l1
+@pytest.mark.slow
+def test_cli_default_folder_follows_xdg_and_serves_another_process(first_export, checkpoints, tmp_path):
+    """The key is stable across processes (another string-hash seed); ``--no-cache`` turns the
+    cache off."""
+    env = {key: value for key, value in os.environ.items() if key != graph_cache.NO_CACHE_VARIABLE}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    graphs = tmp_path / "xdg" / "genai-exporter" / "graphs"
+    shutil.copytree(first_export[1], graphs)  # written by this process
+
+    def cli(folder, out, *flags):
+        result = subprocess.run([sys.executable, "-m", "exporter", str(folder), "-o", str(tmp_path / out), "--json",
+                                 *flags], env=dict(env, PYTHONHASHSEED="12345"), capture_output=True, text=True,
+                                check=False)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["graph_cache"]
+
+    hit = cli(checkpoints[1], "second")
+    assert hit["folder"] == str(graphs)
+    assert hit["sessions"] == {"decoder": "hit"}
+    assert cli(checkpoints[1], "off", "--no-cache") == {"off": "cache=False (--no-cache)"}
+
+
+@pytest.mark.l1
+def test_where_the_cache_is(monkeypatch, tmp_path):
+    monkeypatch.delenv(graph_cache.NO_CACHE_VARIABLE, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert graph_cache.chosen_folder(True) == tmp_path / "genai-exporter" / "graphs"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert graph_cache.chosen_folder(True) == Path.home() / ".cache" / "genai-exporter" / "graphs"
+    assert graph_cache.chosen_folder(tmp_path / "mine") == tmp_path / "mine"
+    assert graph_cache.chosen_folder(False) is None
+    monkeypatch.setenv(graph_cache.NO_CACHE_VARIABLE, "1")
+    assert graph_cache.chosen_folder(True) is None
+
+
+@pytest.mark.l1
+def test_prune_removes_least_recently_used_entries(tmp_path):
+    for age, name in enumerate(("old", "middle", "new", "kept")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "decoder.onnx").write_bytes(b"x" * 100)
+        os.utime(folder, (1000 + age, 1000 + age))
+    removed = graph_cache.prune(tmp_path, keep=tmp_path / "kept", max_bytes=250)
+    assert removed == [tmp_path / "old", tmp_path / "middle"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "new"]
