@@ -54,12 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the context GenAI allocates and generates to (genai_config's context_length and "
                              "max_length; default: the model's own, capped by the EP's default, `list`); the "
                              "report gives the KV cache's size at it")
-    parser.add_argument("--no-cache", dest="cache", action="store_false",
-                        help="do not read or keep lowered graphs in the graph cache (by default a re-export of "
-                             "the same architecture and options with other weights reuses them: "
-                             "$XDG_CACHE_HOME/genai-exporter/graphs; off also with GENAI_EXPORTER_NO_CACHE=1)")
-    parser.add_argument("--cache-dir", type=Path, metavar="DIR",
-                        help="keep the graph cache in DIR instead")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--no-cache", dest="cache", action="store_false",
+                       help="do not read or keep lowered graphs in the graph cache (by default a re-export of "
+                            "the same architecture and options with other weights reuses them: "
+                            "$XDG_CACHE_HOME/genai-exporter/graphs; off also with GENAI_EXPORTER_NO_CACHE=1)")
+    cache.add_argument("--cache-dir", type=Path, metavar="DIR",
+                       help="keep the graph cache in DIR instead (used even where GENAI_EXPORTER_NO_CACHE is set)")
     parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds an earlier package")
     parser.add_argument("--full-logits", action="store_true",
                         help="output logits for every position (for scoring); by default only each "

@@ -12,29 +12,36 @@ always serialized and read back, weights as placeholders), so a package from the
 byte-identical to one exported without it.
 
 The key is a sha256 of: this cache's format; the exporter's own source files; the Python, torch,
-transformers, onnx, onnx_ir, onnxscript, onnxruntime and numpy versions; the model's class, its
-config (less its path and the transformers version that saved it) and attention implementation;
-the source files of every module class in the model (a subclass or an edited copy of a model's
-code changes the key); every saved tensor's name, shape and dtype; the non-persistent buffers'
-values (rotary tables: traced into the graph); where the weights come from; the export settings
-(profile, precision, options, the probed layout, multimodal facts) and the plan. A model with
-forward hooks, or a module whose ``forward`` is replaced on the instance, is not cached: no key
-can see what such code does.
+transformers, onnx, onnx_ir, onnxscript, onnxruntime and numpy versions; the model's class and
+config (less its path and the transformers version that saved it); the attention and experts
+implementations every config of the model names, and the code registered under those names; the
+source files defining the model's classes (and, for code outside transformers, the files beside
+them); the live code of every function those classes and their modules hold (a method or function
+patched at run time changes the key); every module's own attributes (a scaling set after the model
+was built changes the key); every saved tensor's name, shape and dtype; the values of the buffers
+traced into the graph (rotary tables); where the weights come from; the export settings (profile,
+precision, options, the probed layout, multimodal facts) and the plan. A model with forward hooks,
+a module whose ``forward`` is replaced on the instance, or a class with no source file (a
+notebook's) is not cached: no key can see what such code does. What the key cannot see: edits to
+installed libraries' files other than the model's own (their versions are keyed, not their files).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import hashlib
 import importlib.metadata
 import inspect
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,11 +52,16 @@ import onnx_ir as ir
 import torch
 
 from exporter import weights
+from exporter.errors import ExporterError
 
 FORMAT = 1
 # The least recently used entries go once the cache holds more than this.
 MAX_BYTES = 4 << 30
 NO_CACHE_VARIABLE = "GENAI_EXPORTER_NO_CACHE"
+KEY_FILENAME = "key.json"
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{32}$")
+# A hidden file this old in an entry is a write that was killed (a write takes seconds).
+_TORN_WRITE_SECONDS = 3600
 _LIBRARIES = ("torch", "transformers", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "numpy")
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _PROJECT_PACKAGES = ("exporter", "fx_passes", "ep_profiles")
@@ -79,11 +91,15 @@ def default_folder() -> Path:
 
 
 def chosen_folder(cache: bool | str | Path) -> Path | None:
-    """The cache folder ``export(cache=...)`` asks for: None where the cache is off."""
+    """The cache folder ``export(cache=...)`` asks for: None where the cache is off. A folder named
+    by the caller is used even where ``GENAI_EXPORTER_NO_CACHE`` is set (the variable turns off the
+    default folder)."""
     if cache is False:
         return None
     if cache is True:
         return None if os.environ.get(NO_CACHE_VARIABLE, "") not in ("", "0") else default_folder()
+    if not isinstance(cache, (str, Path)) or not str(cache):
+        raise ExporterError(f"cache must be True, False or a folder, not {cache!r}")
     return Path(cache).expanduser()
 
 
@@ -100,25 +116,36 @@ class GraphCache:
         try:
             record = json.loads((self.folder / f"{session}.json").read_text())
             proto = (self.folder / f"{session}.onnx").read_bytes()
-        except (OSError, ValueError):
-            return None
-        if record.get("format") != FORMAT or record.get("sha256") != hashlib.sha256(proto).hexdigest():
-            return None
+            if record["format"] != FORMAT or record["sha256"] != _digest(proto, record["recipes"], record["fx_passes"]):
+                return None
+            lowered = LoweredSession(proto, weights.recipes_from_json(record["recipes"]), record["fx_passes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # missing, torn or altered: a miss, rewritten by this export
         with contextlib.suppress(OSError):  # a read-only cache still serves
             os.utime(self.folder)  # recently used: pruned last
-        return LoweredSession(proto, weights.recipes_from_json(record["recipes"]), record["fx_passes"])
+        return lowered
 
     def write(self, session: str, lowered: LoweredSession, ingredients: dict[str, Any]) -> None:
         """Writes atomically (each file renamed into place, the record last), then prunes the
         least recently used entries over ``MAX_BYTES``. Raises OSError where the folder is not
         writable (the export goes on without it)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        record = {"format": FORMAT, "sha256": hashlib.sha256(lowered.model_proto).hexdigest(),
-                  "recipes": weights.recipes_to_json(lowered.recipes), "fx_passes": lowered.fx_passes}
+        recipes = weights.recipes_to_json(lowered.recipes)
+        record = {"format": FORMAT, "sha256": _digest(lowered.model_proto, recipes, lowered.fx_passes),
+                  "recipes": recipes, "fx_passes": lowered.fx_passes}
         _write_atomically(self.folder / f"{session}.onnx", lowered.model_proto)
-        _write_atomically(self.folder / "key.json", json.dumps(ingredients, indent=1, sort_keys=True).encode())
+        _write_atomically(self.folder / KEY_FILENAME, json.dumps(ingredients, indent=1, sort_keys=True).encode())
         _write_atomically(self.folder / f"{session}.json", json.dumps(record).encode())
-        prune(self.root, keep=self.folder)
+
+    def prune(self) -> list[Path]:
+        return prune(self.root, keep=self.folder)
+
+
+def _digest(proto: bytes, recipes: Any, fx_passes: Any) -> str:
+    """The sha256 of everything a session's entry gives the export: its graph, recipes and FX records."""
+    digest = hashlib.sha256(proto)
+    digest.update(json.dumps([recipes, fx_passes], sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -129,13 +156,24 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def prune(root: Path, keep: Path, max_bytes: int = MAX_BYTES) -> list[Path]:
     """Remove the least recently used entries until the cache holds at most ``max_bytes`` (never
-    ``keep``, the entry just written). Returns what it removed."""
-    entries = []
+    ``keep``, the entry just written), and files left by writes that were killed. Only folders that
+    are entries (a key's name, holding a key record) are touched: a cache folder the user named may
+    hold other things. Returns the entries it removed."""
+    entries, total = [], 0
     for folder in root.iterdir():
-        if folder.is_dir() and folder != keep:
-            size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-            entries.append((folder.stat().st_mtime, size, folder))
-    total = sum(size for _, size, _ in entries) + sum(p.stat().st_size for p in keep.iterdir() if p.is_file())
+        if not (_ENTRY_NAME.match(folder.name) and (folder / KEY_FILENAME).is_file()):
+            continue
+        try:
+            files = [p for p in folder.iterdir() if p.is_file()]
+            for path in files:
+                if path.name.startswith(".") and time.time() - path.stat().st_mtime > _TORN_WRITE_SECONDS:
+                    path.unlink()
+            size = sum(p.stat().st_size for p in files if p.exists())
+            if folder != keep:
+                entries.append((folder.stat().st_mtime, size, folder))
+            total += size
+        except FileNotFoundError:
+            continue  # another export pruned it meanwhile
     removed = []
     for _, size, folder in sorted(entries):
         if total <= max_bytes:
@@ -152,9 +190,10 @@ def key_ingredients(model: torch.nn.Module, saved: dict[str, torch.Tensor], sour
     no key can see, why it cannot be cached."""
     if uncacheable := _unseen_code(model):
         return uncacheable
-    config = model.config.to_dict()
-    for field in _CONFIG_FIELDS_OUTSIDE_KEY:
-        config.pop(field, None)
+    classes = _model_classes(model)
+    if unfiled := next((cls for cls in classes if _source_file(cls) is None), None):
+        return (f"class {_qualified_name(unfiled)} has no source file (defined in a notebook, on stdin or by exec), "
+                "so no key can see its code")
     saved_ids = {id(t) for t in saved.values()}
     return {
         "format": FORMAT,
@@ -162,14 +201,16 @@ def key_ingredients(model: torch.nn.Module, saved: dict[str, torch.Tensor], sour
         "python": platform.python_version(),
         "libraries": {name: _version(name) for name in _LIBRARIES},
         "model_class": _qualified_name(type(model)),
-        "config": json.loads(json.dumps(config, sort_keys=True, default=repr)),
-        "attention_implementation": str(getattr(model.config, "_attn_implementation", None)),
-        "model_code": _model_code_digests(model),
+        "config": _config_values(model.config),
+        "implementations": _implementations(model),
+        "model_files": _source_file_digests(classes),
+        "model_functions": _live_function_digests(classes),
+        "module_attributes": _module_attributes(model),
         "saved_tensors": {name: [list(t.shape), str(t.dtype)] for name, t in saved.items()},
         "traced_buffers": {name: _tensor_digest(b) for name, b in model.named_buffers()
                            if id(b) not in saved_ids},
         "weights": source_kind,
-        "settings": json.loads(json.dumps(dataclasses.asdict(settings), sort_keys=True, default=repr)),
+        "settings": _jsonable(dataclasses.asdict(settings)),
         "plan": plan.to_dict(),
     }
 
@@ -189,22 +230,171 @@ def _unseen_code(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _model_code_digests(model: torch.nn.Module) -> dict[str, str]:
-    """The sha256 of each source file defining a class of the model's modules (or the class's
-    name alone where it has no file)."""
-    files = {}
-    for cls in {c for m in model.modules() for c in type(m).__mro__ if c.__module__ != "builtins"}:
-        if cls.__module__.startswith("torch."):
-            continue  # torch's own modules: its version is in the key
+def _model_classes(model: torch.nn.Module) -> list[type]:
+    """The classes of the model's modules and their bases, less torch's (its version is keyed)."""
+    classes = {c for m in model.modules() for c in type(m).__mro__}
+    return sorted((c for c in classes if c is not object and not c.__module__.startswith("torch")),
+                  key=_qualified_name)
+
+
+def _source_file(cls: type) -> str | None:
+    """The file defining ``cls``, or None: a class from a notebook, stdin or ``exec`` has none, or
+    (in a script's ``__main__``) a file that does not hold it."""
+    try:
+        path = inspect.getsourcefile(cls)
+        if not path or not Path(path).is_file():
+            return None
+        if not cls.__module__.startswith("transformers."):
+            inspect.getsource(cls)  # the class is in that file (transformers' always are)
+    except (TypeError, OSError):
+        return None
+    return path
+
+
+def _source_file_digests(classes: list[type]) -> dict[str, str]:
+    """The sha256 of each file defining a class of the model, and, for code outside transformers (a
+    checkpoint's own code, a user's subclass), of every Python file beside it (its helpers)."""
+    paths = set()
+    for cls in classes:
+        path = Path(_source_file(cls))
+        paths.add(path)
+        if not cls.__module__.startswith("transformers."):
+            paths.update(path.parent.glob("*.py"))
+    return {_relative(str(path)): hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(paths)}
+
+
+def _live_function_digests(classes: list[type]) -> dict[str, str]:
+    """The code of every function the model's classes and their modules hold now: a method or a
+    module's function replaced at run time (how Liger or Unsloth patch models) changes the key,
+    which the source files alone would not see."""
+    digests = {}
+    for cls in classes:
+        for name, value in vars(cls).items():
+            if (digest := _function_digest(value)) is not None:
+                digests[f"{_qualified_name(cls)}.{name}"] = digest
+        for name, value in vars(sys.modules.get(cls.__module__, object)).items():
+            if (digest := _function_digest(value)) is not None:
+                digests[f"{cls.__module__}.{name}"] = digest
+    return digests
+
+
+def _function_digest(value: Any, seen: frozenset[int] = frozenset()) -> str | None:
+    """A digest of a function's code (its nested code, constants and names, and the functions its
+    closure holds: a decorator's wrapped function), for functions, methods and properties; None
+    for anything else."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return ",".join(_function_digest(f, seen) or "-" for f in (value.fget, value.fset))
+    if inspect.ismethod(value):
+        value = value.__func__
+    code = getattr(value, "__code__", None)
+    if not inspect.isfunction(value) or code is None:
+        return None
+    if id(value) in seen:
+        return "recursive"  # a closure holding the function itself
+    digest = hashlib.sha256()
+    _feed_code(digest, code)
+    for cell in value.__closure__ or ():
         try:
-            path = inspect.getsourcefile(cls)
-        except TypeError:
-            path = None
-        if path is None:
-            files[_qualified_name(cls)] = "no source file"
-        elif path not in files:
-            files[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    return {_relative(path): digest for path, digest in sorted(files.items())}
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        digest.update((_function_digest(contents, seen | {id(value)}) or type(contents).__qualname__).encode())
+    return digest.hexdigest()[:16]
+
+
+def _feed_code(digest, code) -> None:
+    digest.update(code.co_code)
+    digest.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for constant in code.co_consts:
+        if inspect.iscode(constant):
+            _feed_code(digest, constant)
+        elif isinstance(constant, frozenset):  # its repr's order follows the string-hash seed
+            digest.update(repr(sorted(map(repr, constant))).encode())
+        else:
+            digest.update(repr(constant).encode())
+
+
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+# Where a model was read from, and the warnings it has given: they change between checkpoints of a
+# run, never the graph.
+_ATTRIBUTES_OUTSIDE_KEY = frozenset({"name_or_path", "warnings_issued"})
+
+
+def _module_attributes(model: torch.nn.Module) -> dict[str, Any]:
+    """Every module's own attributes beyond parameters, buffers and submodules (a head count, a
+    scaling, a layer index, a tensor kept as a plain attribute): code reads them as it traces, and
+    a caller may set them after the model was built."""
+    configs: dict[int, Any] = {}
+    values = {}
+    for name, module in model.named_modules():
+        for attribute, value in vars(module).items():
+            if attribute not in _MODULE_INTERNALS and attribute not in _ATTRIBUTES_OUTSIDE_KEY:
+                values[f"{name}.{attribute}" if name else attribute] = _attribute_value(value, configs)
+    return values
+
+
+def _attribute_value(value: Any, configs: dict[int, Any]) -> Any:
+    from transformers import PretrainedConfig
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_attribute_value(v, configs) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _attribute_value(v, configs) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(repr(_attribute_value(v, configs)) for v in value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_digest(value)
+    if isinstance(value, (torch.dtype, torch.device, enum.Enum)):
+        return str(value)
+    if isinstance(value, PretrainedConfig):
+        if id(value) not in configs:  # shared by every layer: read once
+            configs[id(value)] = _config_values(value)
+        return configs[id(value)]
+    if (digest := _function_digest(value)) is not None:
+        return digest
+    return _qualified_name(type(value))
+
+
+def _implementations(model: torch.nn.Module) -> dict[str, str]:
+    """The attention and experts implementations every config of the model names (a sub-config's
+    may differ from the top one's), and the code of the attention and mask functions registered
+    under those names (a custom registration changes the key)."""
+    from transformers import PretrainedConfig
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    configs = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "config", None), PretrainedConfig)}
+    implementations = {}
+    for index, config in enumerate(sorted(configs.values(), key=lambda c: type(c).__name__)):
+        for field in ("_attn_implementation", "_experts_implementation"):
+            name = getattr(config, field, None)
+            implementations[f"{type(config).__name__}[{index}].{field}"] = str(name)
+            for registry, what in ((ALL_ATTENTION_FUNCTIONS, "attention"), (ALL_MASK_ATTENTION_FUNCTIONS, "mask")):
+                try:
+                    function = registry[name]
+                except (KeyError, TypeError):
+                    continue
+                implementations[f"{what} function {name}"] = _function_digest(function) or repr(function)
+    return implementations
+
+
+def _config_values(config) -> dict[str, Any]:
+    """A config's values, less those that name where it was read from and what saved it (at any
+    depth: a multimodal config holds its sub-configs')."""
+    def without(values: Any) -> Any:
+        if isinstance(values, dict):
+            return {k: without(v) for k, v in values.items() if k not in _CONFIG_FIELDS_OUTSIDE_KEY}
+        return values
+
+    return _jsonable(without(config.to_dict()))
+
+
+def _jsonable(values: Any) -> Any:
+    return json.loads(json.dumps(values, sort_keys=True, default=repr))
 
 
 def _relative(path: str) -> str:
@@ -233,9 +423,7 @@ def _project_files() -> Iterator[Path]:
 def _tensor_digest(tensor: torch.Tensor) -> str:
     if tensor.device.type == "meta" or tensor.__class__.__name__ == "FakeTensor":
         return f"{list(tensor.shape)} {tensor.dtype} (no values)"
-    values = tensor.detach().contiguous().cpu()
-    if values.dtype == torch.bfloat16:
-        values = values.view(torch.uint16)
+    values = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)  # any dtype, float8 too
     return hashlib.sha256(values.numpy().tobytes()).hexdigest() + f" {list(tensor.shape)} {tensor.dtype}"
 
 

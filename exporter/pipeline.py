@@ -146,6 +146,7 @@ def export(
         raise ExporterError(f"int4_encoders applies to precision int4, not {precision}")
     if max_length is not None and max_length < 1:
         raise ExporterError(f"max_length must be 1 or more, not {max_length}")
+    cache_folder = graph_cache.chosen_folder(cache)
     output_dir = Path(output_dir)
     target = destination.check_destination(output_dir, overwrite)
     display = ProgressDisplay() if progress else None
@@ -168,7 +169,7 @@ def export(
     report.kv_cache = {"max_length": length, "element_bytes": compute_dtype.itemsize,
                        "bytes": settings.layout.kv_cache_bytes(length, compute_dtype.itemsize)}
 
-    cached_graphs = _graph_cache(cache, prepared, settings, plan, report)
+    cached_graphs = _graph_cache(cache_folder, cache is False, prepared, settings, plan, report)
 
     models, attached, read = {}, 0, set()
     for session_plan in plan.sessions:
@@ -293,13 +294,12 @@ def _lower_session(session, session_plan, prepared, settings: ExportSettings, st
         return lowered, lowered.model()
 
 
-def _graph_cache(cache: bool | str | Path, prepared, settings: ExportSettings, plan: ExportPlan,
+def _graph_cache(folder: Path | None, turned_off: bool, prepared, settings: ExportSettings, plan: ExportPlan,
                  report: ExportReport) -> tuple[graph_cache.GraphCache, dict] | None:
     """The export's cache entry and its key's ingredients (None where the cache is off, and the
     report says why)."""
-    folder = graph_cache.chosen_folder(cache)
     if folder is None:
-        report.graph_cache = {"off": "cache=False (--no-cache)" if cache is False
+        report.graph_cache = {"off": "cache=False (--no-cache)" if turned_off
                               else f"{graph_cache.NO_CACHE_VARIABLE} is set"}
         return None
     source = prepared.weight_source
@@ -321,9 +321,12 @@ def _write_to_cache(cached_graphs: tuple[graph_cache.GraphCache, dict], session:
     entry, ingredients = cached_graphs
     try:
         entry.write(session, lowered, ingredients)
-        report.graph_cache["sessions"][session] = "written"
     except OSError as error:
         report.graph_cache["sessions"][session] = f"not written ({error.strerror or error})"
+        return
+    report.graph_cache["sessions"][session] = "written"
+    with contextlib.suppress(OSError):  # another export pruning the same cache
+        entry.prune()
 
 
 def _with_plain_attention_layers(settings: ExportSettings, session, session_report: SessionReport) -> ExportSettings:

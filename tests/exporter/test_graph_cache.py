@@ -159,7 +159,77 @@ def test_an_unwritable_cache_does_not_fail_the_export(tmp_path):
     model, tokenizer = build_preset("tiny-llama")
     package = export(model, tokenizer, output_dir=tmp_path / "out", cache=blocker / "cache")
     assert package.report.graph_cache["sessions"]["decoder"].startswith("not written")
-    assert (package.path / "model.onnx").is_file()
+    uncached = export(model, tokenizer, output_dir=tmp_path / "uncached", cache=False)
+    assert digests(package.path) == digests(uncached.path)
+
+
+@pytest.mark.l1
+def test_an_altered_record_is_a_miss(first_export, checkpoints, tmp_path):
+    """The entry's digest covers the weight recipes too: one pointing an initializer at another
+    tensor must not be used."""
+    first, _ = first_export
+    cache = cache_copy(first_export, tmp_path)
+    record_path = cache / first.report.graph_cache["key"] / "decoder.json"
+    record = json.loads(record_path.read_text())
+    names = sorted(record["recipes"])
+    record["recipes"][names[0]], record["recipes"][names[1]] = record["recipes"][names[1]], record["recipes"][names[0]]
+    record_path.write_text(json.dumps(record))
+    entry = graph_cache.GraphCache(cache, first.report.graph_cache["key"])
+    assert entry.read("decoder") is None
+    del record["recipes"]
+    record_path.write_text(json.dumps(record))
+    assert entry.read("decoder") is None
+
+
+def cache_key(model) -> str | dict:
+    """The key an fp32 cpu export of ``model`` in memory gets (or why it gets none)."""
+    from exporter.layout import derive_layout
+    from exporter.plan import export_settings, make_plan
+
+    settings = export_settings(get_profile("cpu"), derive_layout(model), "fp32")
+    ingredients = graph_cache.key_ingredients(model, model.state_dict(keep_vars=True), "in memory", settings,
+                                              make_plan(settings))
+    return ingredients if isinstance(ingredients, str) else graph_cache.key_of(ingredients)
+
+
+@pytest.mark.l1
+def test_code_and_attributes_a_trace_reads_are_in_the_key(monkeypatch):
+    """What changes the traced graph without changing the config or any tensor's shape: a module
+    attribute set after the model was built, a method or a module function patched at run time
+    (as Liger or Unsloth patch models), the attention implementation."""
+    from transformers.models.llama import modeling_llama
+
+    model, _ = build_preset("tiny-llama")
+    base = cache_key(model)
+    assert base == cache_key(model)
+
+    model.model.layers[0].self_attn.scaling = 0.5
+    assert cache_key(model) != base
+    model, _ = build_preset("tiny-llama")
+    assert cache_key(model) == base
+
+    original_forward = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: original_forward(self, x) * 2)
+    assert cache_key(model) != base
+    monkeypatch.undo()
+    assert cache_key(model) == base
+
+    monkeypatch.setattr(modeling_llama, "rotate_half", lambda x: -x)
+    assert cache_key(model) != base
+    monkeypatch.undo()
+
+    model.set_attn_implementation("eager")
+    assert cache_key(model) != base
+
+
+@pytest.mark.l1
+def test_a_class_without_source_file_is_not_cached():
+    model, _ = build_preset("tiny-llama")
+    namespace = {"__name__": "notebook_cell"}
+    exec("import torch\nclass Doubled(torch.nn.Module):\n    def forward(self, x):\n        return 2 * x\n", namespace)
+    model.model.layers[0].mlp.act_fn = namespace["Doubled"]()
+    assert cache_key(model) == ("class notebook_cell.Doubled has no source file (defined in a notebook, on stdin or "
+                                "by exec), so no key can see its code")
 
 
 @pytest.mark.l1
@@ -199,12 +269,32 @@ def test_where_the_cache_is(monkeypatch, tmp_path):
 
 
 @pytest.mark.l1
-def test_prune_removes_least_recently_used_entries(tmp_path):
+def test_prune_removes_least_recently_used_entries_and_nothing_else(tmp_path):
+    """Only entries go: a folder given with --cache-dir may hold a user's checkpoints."""
+    entries = {}
     for age, name in enumerate(("old", "middle", "new", "kept")):
-        folder = tmp_path / name
+        folder = entries[name] = tmp_path / hashlib.sha256(name.encode()).hexdigest()[:32]
         folder.mkdir()
-        (folder / "decoder.onnx").write_bytes(b"x" * 100)
+        (folder / graph_cache.KEY_FILENAME).write_text("{}")
+        (folder / "decoder.onnx").write_bytes(b"x" * 98)
         os.utime(folder, (1000 + age, 1000 + age))
-    removed = graph_cache.prune(tmp_path, keep=tmp_path / "kept", max_bytes=250)
-    assert removed == [tmp_path / "old", tmp_path / "middle"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "new"]
+    for foreign in ("checkpoint-500", "0" * 32):  # a user's folder; a key-named folder that is no entry
+        (tmp_path / foreign).mkdir()
+        (tmp_path / foreign / "model.safetensors").write_bytes(b"w" * 1000)
+        os.utime(tmp_path / foreign, (1, 1))
+    removed = graph_cache.prune(tmp_path, keep=entries["kept"], max_bytes=250)
+    assert removed == [entries["old"], entries["middle"]]
+    assert {p.name for p in tmp_path.iterdir()} == {entries["new"].name, entries["kept"].name, "checkpoint-500", "0" * 32}
+
+
+@pytest.mark.l1
+def test_bad_cache_arguments_are_one_line_errors(tmp_path):
+    from exporter import ExporterError
+    from exporter.cli import main
+
+    with pytest.raises(ExporterError, match="cache must be True, False or a folder, not None"):
+        export("tiny-llama", output_dir=tmp_path / "out", cache=None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tiny-llama", "-o", str(tmp_path / "cli"), "--no-cache", "--cache-dir", str(tmp_path / "c")])
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cli").exists()
