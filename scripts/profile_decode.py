@@ -3,10 +3,11 @@ new token over a past of --past tokens, time per op type per step (not a test).
 
     python scripts/profile_decode.py PACKAGE [--past 128] [--steps 20]
 
-The package is one this exporter wrote (its export_report.json gives the KV layout). The decoder
-runs through a plain InferenceSession with the graph's own inputs, so GenAI's own overhead
-(sampling, KV bookkeeping) is not in these numbers: compare their total with GenAI's decode time
-to see it.
+The package may come from any exporter (this one's, mobius's, ONNX Runtime GenAI's builder): the
+inputs are made from the decoder graph's own (``input_ids``, ``attention_mask``, ``position_ids``,
+``past_key_values.*`` with the past length where the dim is symbolic). The decoder runs through a
+plain InferenceSession, so GenAI's own overhead (sampling, KV bookkeeping) is not in these numbers:
+compare their total with GenAI's decode time to see it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,32 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
-import torch
 
-from exporter.layout import DecoderLayout, KvLayer
-from exporter.trace import input_names, make_inputs
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+                "tensor(int32)": np.int32}
+
+
+def decode_feeds(session: ort.InferenceSession, past: int, vocab_size: int) -> dict[str, np.ndarray]:
+    """One new token over ``past`` cached ones, batch 1, for the graph's own inputs."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for graph_input in session.get_inputs():
+        name, dtype = graph_input.name, _NUMPY_TYPES[graph_input.type]
+        if name == "input_ids":
+            feeds[name] = rng.integers(0, vocab_size, (1, 1)).astype(dtype)
+        elif name == "attention_mask":
+            feeds[name] = np.ones((1, past + 1), dtype)
+        elif name == "position_ids":
+            feeds[name] = np.full((1, 1), past, dtype)
+        elif name.startswith("past_key_values."):
+            # [batch, kv heads, past, head dim]: the symbolic dims are the batch and the past.
+            batch, heads, _, head_dim = graph_input.shape
+            feeds[name] = rng.standard_normal((1, heads, past, head_dim)).astype(dtype)
+        else:
+            raise SystemExit(f"the decoder has an input this script cannot make: {name} {graph_input.shape}")
+    return feeds
 
 
 def main() -> None:
@@ -32,19 +54,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="decode steps profiled (after 3 warm-up steps)")
     args = parser.parse_args()
 
-    report = json.loads((args.package / "export_report.json").read_text())
-    fields = dict(report["layout"])
-    fields["kv_layers"] = tuple(KvLayer(**layer) for layer in fields["kv_layers"])
-    layout = DecoderLayout(**fields)
-    model_file = args.package / report["sessions"]["decoder"]["filename"]
+    genai = json.loads((args.package / "genai_config.json").read_text())["model"]
+    model_file = args.package / genai["decoder"]["filename"]
 
     options = ort.SessionOptions()
     options.enable_profiling = True
     options.profile_file_prefix = str(Path("/tmp") / "decode_profile")
     session = ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
-    dtype = {"tensor(float16)": torch.float16}.get(session.get_inputs()[3].type, torch.float32)
-    inputs = make_inputs(layout, 1, 1, args.past, dtype=dtype, generator=torch.Generator().manual_seed(0))
-    feeds = dict(zip(input_names(layout), [t.numpy() for t in (*inputs[:3], *inputs[3])], strict=True))
+    feeds = decode_feeds(session, args.past, genai.get("vocab_size", 1000))
     for _ in range(3):
         session.run(None, feeds)
     walls = []

@@ -298,3 +298,24 @@ def test_bad_cache_arguments_are_one_line_errors(tmp_path):
         main(["tiny-llama", "-o", str(tmp_path / "cli"), "--no-cache", "--cache-dir", str(tmp_path / "c")])
     assert exit_info.value.code == 2
     assert not (tmp_path / "out").exists() and not (tmp_path / "cli").exists()
+
+
+@pytest.mark.l1
+@pytest.mark.slow
+def test_a_multimodal_package_hits_in_every_session(tmp_path):
+    """Four sessions, four entries: the in-memory preset re-exported hits in each, and every file of
+    the package but the report equals an export without the cache."""
+    def files(folder: Path) -> dict[str, str]:
+        return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith("export_report")}
+
+    cache = tmp_path / "cache"
+    first = export("tiny-gemma-4-multimodal", output_dir=tmp_path / "first", cache=cache)
+    sessions = ("decoder", "embedding", "vision", "speech")
+    assert first.report.graph_cache["sessions"] == dict.fromkeys(sessions, "written")
+    again = export("tiny-gemma-4-multimodal", output_dir=tmp_path / "again", cache=cache)
+    assert again.report.graph_cache["sessions"] == dict.fromkeys(sessions, "hit")
+    uncached = export("tiny-gemma-4-multimodal", output_dir=tmp_path / "uncached", cache=False)
+    assert files(again.path) == files(uncached.path)
+    assert len(files(again.path)) > len(PACKAGE_FILES)
+    assert again.report.notes == uncached.report.notes
