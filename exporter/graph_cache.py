@@ -19,9 +19,10 @@ source files defining the model's classes (and, for code outside transformers, t
 them); the live code of every function those classes and their modules hold (a method or function
 patched at run time changes the key); every module's own attributes (a scaling set after the model
 was built changes the key); every saved tensor's name, shape and dtype; the values of the buffers
-traced into the graph (rotary tables); where the weights come from; the export settings (profile,
-precision, options, the probed layout, multimodal facts) and the plan. A model with forward hooks,
-a module whose ``forward`` is replaced on the instance, or a class with no source file (a
+(rotary tables; for a model in memory, its persistent buffers too); where the weights come from; the export settings (profile,
+precision, options, the probed layout, multimodal facts) and the plan. A model with forward hooks
+(but the one transformers' gradient checkpointing puts on the input embeddings, which changes no
+value), a module whose ``forward`` is replaced on the instance, or a class with no source file (a
 notebook's) is not cached: no key can see what such code does. What the key cannot see: edits to
 installed libraries' files other than the model's own (their versions are keyed, not their files).
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import hashlib
 import importlib.metadata
 import inspect
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
@@ -86,7 +89,7 @@ class LoweredSession:
 
 
 def default_folder() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "genai-exporter" / "graphs"
 
 
@@ -97,7 +100,8 @@ def chosen_folder(cache: bool | str | Path) -> Path | None:
     if cache is False:
         return None
     if cache is True:
-        return None if os.environ.get(NO_CACHE_VARIABLE, "") not in ("", "0") else default_folder()
+        turned_off = os.environ.get(NO_CACHE_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
+        return None if turned_off else default_folder()
     if not isinstance(cache, (str, Path)) or not str(cache):
         raise ExporterError(f"cache must be True, False or a folder, not {cache!r}")
     return Path(cache).expanduser()
@@ -185,16 +189,16 @@ def prune(root: Path, keep: Path, max_bytes: int = MAX_BYTES) -> list[Path]:
 
 
 def key_ingredients(model: torch.nn.Module, saved: dict[str, torch.Tensor], source_kind: str,
-                    settings, plan) -> dict[str, Any] | str:
+                    settings, plan, views: tuple[torch.nn.Module, ...] = ()) -> dict[str, Any] | str:
     """Everything the lowered graphs depend on, as JSON-able values; or, where the model runs code
-    no key can see, why it cannot be cached."""
+    no key can see, why it cannot be cached. ``views``: modules traced around the model's own (a
+    multimodal model's causal LM view), whose classes' code counts too."""
     if uncacheable := _unseen_code(model):
         return uncacheable
-    classes = _model_classes(model)
+    classes = _model_classes(model, *views)
     if unfiled := next((cls for cls in classes if _source_file(cls) is None), None):
         return (f"class {_qualified_name(unfiled)} has no source file (defined in a notebook, on stdin or by exec), "
                 "so no key can see its code")
-    saved_ids = {id(t) for t in saved.values()}
     return {
         "format": FORMAT,
         "exporter": _project_digest(),
@@ -206,9 +210,12 @@ def key_ingredients(model: torch.nn.Module, saved: dict[str, torch.Tensor], sour
         "model_files": _source_file_digests(classes),
         "model_functions": _live_function_digests(classes),
         "module_attributes": _module_attributes(model),
+        "hooks": {name: [_function_digest(h) for h in module._forward_hooks.values()]
+                  for name, module in model.named_modules() if module._forward_hooks},
         "saved_tensors": {name: [list(t.shape), str(t.dtype)] for name, t in saved.items()},
-        "traced_buffers": {name: _tensor_digest(b) for name, b in model.named_buffers()
-                           if id(b) not in saved_ids},
+        # Every buffer with values (rotary tables; a model in memory's persistent ones too, which a
+        # pass may fold): fake and meta ones give their shape only.
+        "buffers": {name: _tensor_digest(b) for name, b in model.named_buffers()},
         "weights": source_kind,
         "settings": _jsonable(dataclasses.asdict(settings)),
         "plan": plan.to_dict(),
@@ -219,9 +226,15 @@ def key_of(ingredients: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()[:32]
 
 
+# Hooks that change no traced value: transformers' own, which gradient checkpointing (and so PEFT
+# training) puts on the input embeddings to make their output require grads.
+_GRAPH_NEUTRAL_HOOKS = frozenset({"PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"})
+
+
 def _unseen_code(model: torch.nn.Module) -> str | None:
     for name, module in model.named_modules():
-        if module._forward_hooks or module._forward_pre_hooks:
+        hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+        if any(getattr(hook, "__qualname__", None) not in _GRAPH_NEUTRAL_HOOKS for hook in hooks):
             return f"module '{name or type(module).__name__}' has forward hooks"
         if "forward" in vars(module):
             return f"module '{name or type(module).__name__}' has its forward replaced on the instance"
@@ -230,10 +243,10 @@ def _unseen_code(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _model_classes(model: torch.nn.Module) -> list[type]:
-    """The classes of the model's modules and their bases, less torch's (its version is keyed)."""
-    classes = {c for m in model.modules() for c in type(m).__mro__}
-    return sorted((c for c in classes if c is not object and not c.__module__.startswith("torch")),
+def _model_classes(*models: torch.nn.Module) -> list[type]:
+    """The classes of the models' modules and their bases, less torch's (its version is keyed)."""
+    classes = {c for model in models for m in model.modules() for c in type(m).__mro__}
+    return sorted((c for c in classes if c is not object and c.__module__.split(".")[0] != "torch"),
                   key=_qualified_name)
 
 
@@ -246,7 +259,7 @@ def _source_file(cls: type) -> str | None:
             return None
         if not cls.__module__.startswith("transformers."):
             inspect.getsource(cls)  # the class is in that file (transformers' always are)
-    except (TypeError, OSError):
+    except (TypeError, OSError, SyntaxError):
         return None
     return path
 
@@ -259,7 +272,7 @@ def _source_file_digests(classes: list[type]) -> dict[str, str]:
         path = Path(_source_file(cls))
         paths.add(path)
         if not cls.__module__.startswith("transformers."):
-            paths.update(path.parent.glob("*.py"))
+            paths.update(p for p in path.parent.glob("*.py") if p.is_file())
     return {_relative(str(path)): hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(paths)}
 
 
@@ -288,9 +301,9 @@ def _function_digest(value: Any, seen: frozenset[int] = frozenset()) -> str | No
         return ",".join(_function_digest(f, seen) or "-" for f in (value.fget, value.fset))
     if inspect.ismethod(value):
         value = value.__func__
-    code = getattr(value, "__code__", None)
-    if not inspect.isfunction(value) or code is None:
+    if not inspect.isfunction(value):
         return None
+    code = value.__code__
     if id(value) in seen:
         return "recursive"  # a closure holding the function itself
     digest = hashlib.sha256()
@@ -317,9 +330,10 @@ def _feed_code(digest, code) -> None:
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-# Where a model was read from, and the warnings it has given: they change between checkpoints of a
-# run, never the graph.
-_ATTRIBUTES_OUTSIDE_KEY = frozenset({"name_or_path", "warnings_issued"})
+# Where a model was read from, the warnings it has given and its generation settings (written to
+# genai_config at every export, never traced; a GenerationConfig holds a string hash): they change
+# between checkpoints or processes, never the graph.
+_ATTRIBUTES_OUTSIDE_KEY = frozenset({"name_or_path", "warnings_issued", "generation_config"})
 
 
 def _module_attributes(model: torch.nn.Module) -> dict[str, Any]:
@@ -330,32 +344,44 @@ def _module_attributes(model: torch.nn.Module) -> dict[str, Any]:
     values = {}
     for name, module in model.named_modules():
         for attribute, value in vars(module).items():
-            if attribute not in _MODULE_INTERNALS and attribute not in _ATTRIBUTES_OUTSIDE_KEY:
+            # A cached_property's value appears at its first read (during a trace), derived from
+            # the class's code and the other attributes, which are keyed.
+            cached = isinstance(getattr(type(module), attribute, None), functools.cached_property)
+            if attribute not in _MODULE_INTERNALS and attribute not in _ATTRIBUTES_OUTSIDE_KEY and not cached:
                 values[f"{name}.{attribute}" if name else attribute] = _attribute_value(value, configs)
     return values
 
 
-def _attribute_value(value: Any, configs: dict[int, Any]) -> Any:
+def _attribute_value(value: Any, configs: dict[int, Any], depth: int = 0) -> Any:
     from transformers import PretrainedConfig
 
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (tuple, list)):
-        return [_attribute_value(v, configs) for v in value]
+        return [_attribute_value(v, configs, depth) for v in value]
     if isinstance(value, dict):
-        return {str(k): _attribute_value(v, configs) for k, v in value.items()}
+        return {str(k): _attribute_value(v, configs, depth) for k, v in value.items()}
     if isinstance(value, (set, frozenset)):
-        return sorted(repr(_attribute_value(v, configs)) for v in value)
+        return sorted(repr(_attribute_value(v, configs, depth)) for v in value)
     if isinstance(value, torch.Tensor):
         return _tensor_digest(value)
-    if isinstance(value, (torch.dtype, torch.device, enum.Enum)):
+    if isinstance(value, (torch.dtype, torch.device, enum.Enum, slice)):
         return str(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, functools.partial):
+        return {"partial": _function_digest(value.func) or _qualified_name(type(value.func)),
+                "args": _attribute_value(value.args, configs), "keywords": _attribute_value(value.keywords, configs)}
     if isinstance(value, PretrainedConfig):
         if id(value) not in configs:  # shared by every layer: read once
             configs[id(value)] = _config_values(value)
         return configs[id(value)]
     if (digest := _function_digest(value)) is not None:
         return digest
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict) and depth < 2 and not isinstance(value, (type, torch.nn.Module)):
+        return {"type": _qualified_name(type(value)),
+                "fields": {str(k): _attribute_value(v, configs, depth + 1) for k, v in fields.items()}}
     return _qualified_name(type(value))
 
 
@@ -364,6 +390,7 @@ def _implementations(model: torch.nn.Module) -> dict[str, str]:
     may differ from the top one's), and the code of the attention and mask functions registered
     under those names (a custom registration changes the key)."""
     from transformers import PretrainedConfig
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -373,12 +400,14 @@ def _implementations(model: torch.nn.Module) -> dict[str, str]:
         for field in ("_attn_implementation", "_experts_implementation"):
             name = getattr(config, field, None)
             implementations[f"{type(config).__name__}[{index}].{field}"] = str(name)
-            for registry, what in ((ALL_ATTENTION_FUNCTIONS, "attention"), (ALL_MASK_ATTENTION_FUNCTIONS, "mask")):
+            for registry, what in ((ALL_ATTENTION_FUNCTIONS, "attention"), (ALL_MASK_ATTENTION_FUNCTIONS, "mask"),
+                                   (ALL_EXPERTS_FUNCTIONS, "experts")):
                 try:
                     function = registry[name]
                 except (KeyError, TypeError):
                     continue
-                implementations[f"{what} function {name}"] = _function_digest(function) or repr(function)
+                implementations[f"{what} function {name}"] = (_function_digest(function)
+                                                              or _qualified_name(type(function)))
     return implementations
 
 
@@ -394,7 +423,8 @@ def _config_values(config) -> dict[str, Any]:
 
 
 def _jsonable(values: Any) -> Any:
-    return json.loads(json.dumps(values, sort_keys=True, default=repr))
+    # Unsorted here (a config may mix int and str keys); ``key_of`` sorts the string keys JSON gives.
+    return json.loads(json.dumps(values, default=repr))
 
 
 def _relative(path: str) -> str:

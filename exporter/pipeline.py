@@ -266,7 +266,7 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
                 _write_to_cache(cached_graphs, session.name, lowered, report)
     session_report.fx_passes = lowered.fx_passes
     report.notes += _fx_pass_notes(session_plan, lowered.fx_passes)
-    settings = _with_plain_attention_layers(settings, session, session_report)
+    settings = _with_plain_attention_layers(settings, session, lowered.fx_passes)
     with stages.stage(_stage("onnx_passes", session, settings)):
         attached, read = weights.attach(onnx_model, prepared.weight_source, lowered.recipes)
         _run_onnx_passes(onnx_model, session_plan, settings, session_report)
@@ -284,6 +284,7 @@ def _lower_session(session, session_plan, prepared, settings: ExportSettings, st
         traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
     with stages.stage(_stage("fx_passes", session, settings)):
         program, fx_records = _run_fx_passes(traced.program, session_plan, settings, session)
+        _with_plain_attention_layers(settings, session, fx_records)  # a captured export stops here, not after lowering
     with stages.stage(_stage("lower", session, settings)):
         onnx_model = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
                                session.input_names(settings), session.output_names(settings))
@@ -305,8 +306,12 @@ def _graph_cache(folder: Path | None, turned_off: bool, prepared, settings: Expo
     source = prepared.weight_source
     source_kind = (f"{type(source).__name__}, buffers {'read' if source.provides_buffers else 'as built'}, "
                    f"traced {'with' if prepared.weights_in_model else 'without'} values")
-    ingredients = graph_cache.key_ingredients(prepared.model, prepared.model.state_dict(keep_vars=True),
-                                              source_kind, settings, plan)
+    try:
+        views = (prepared.decoder,) if prepared.decoder is not prepared.model else ()
+        ingredients = graph_cache.key_ingredients(prepared.model, prepared.model.state_dict(keep_vars=True),
+                                                  source_kind, settings, plan, views)
+    except Exception as error:  # a model the key cannot read costs the cache, never the export
+        ingredients = f"the key could not be computed ({type(error).__name__}: {error})"
     if isinstance(ingredients, str):
         report.graph_cache = {"off": ingredients}
         return None
@@ -329,10 +334,11 @@ def _write_to_cache(cached_graphs: tuple[graph_cache.GraphCache, dict], session:
         entry.prune()
 
 
-def _with_plain_attention_layers(settings: ExportSettings, session, session_report: SessionReport) -> ExportSettings:
-    """The decoder layers GroupQueryAttention could not take: past and present KV become separate
-    buffers, which ONNX Runtime GenAI cannot capture, so a captured export stops here."""
-    record = next((r for r in session_report.fx_passes if r["name"] == "substitute_group_query_attention"), None)
+def _with_plain_attention_layers(settings: ExportSettings, session, fx_records: list[dict]) -> ExportSettings:
+    """The decoder layers GroupQueryAttention could not take (from its FX pass record): past and
+    present KV become separate buffers, which ONNX Runtime GenAI cannot capture, so a captured
+    export stops here."""
+    record = next((r for r in fx_records if r["name"] == "substitute_group_query_attention"), None)
     plain = (record or {}).get("changes", {}).get("plain_layers") or {}
     if not session.is_decoder or not plain:
         return settings

@@ -18,7 +18,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Exports here, in-process and by the CLI, do not share the graph cache: each test sees the steps it
 # asks for, and the user's cache folder is never written. The cache's own tests name a folder.
-os.environ.setdefault("GENAI_EXPORTER_NO_CACHE", "1")
+os.environ["GENAI_EXPORTER_NO_CACHE"] = "1"
 
 from helpers.checkpoints import perturbed_preset_checkpoint
 from helpers.families import FAMILIES

@@ -7,18 +7,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 
 from ep_profiles import get_profile
 from exporter import export, graph_cache
-from exporter.presets import build_preset
+from exporter.presets import PRESETS, build_preset
 
 PACKAGE_FILES = ("model.onnx", "model.onnx.data", "genai_config.json")
 PRESET = "tiny-gemma-4"  # layer_scalar buffers, KV-shared layers, a tied head: every kind of saved tensor
@@ -31,7 +33,7 @@ def digests(folder: Path) -> dict[str, str]:
 @torch.no_grad()
 def trained(seed: int):
     """The preset's model as a checkpoint of a training run: every constant saved tensor moved (by
-    ``seed``) and every floating saved tensor, matrices too, nudged by ``seed``'s noise."""
+    ``seed``) and every parameter, matrices too, nudged by ``seed``'s noise."""
     model, tokenizer = build_preset(PRESET)
     perturb_constant_tensors(model, seed)
     take_training_step(model, seed)
@@ -40,10 +42,12 @@ def trained(seed: int):
 
 @torch.no_grad()
 def take_training_step(model, seed: int) -> None:
+    """What an optimizer step changes: every parameter (buffers, such as Gemma 4's layer_scalar, are
+    not trained)."""
     generator = torch.Generator().manual_seed(1000 + seed)
     seen = set()
-    for tensor in model.state_dict(keep_vars=True).values():
-        if tensor.is_floating_point() and tensor.data_ptr() not in seen:
+    for tensor in model.parameters():
+        if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             tensor.add_(torch.randn(tensor.shape, generator=generator) * 1e-2 * (tensor.std() if tensor.numel() > 1 else 1))
 
@@ -207,6 +211,9 @@ def test_code_and_attributes_a_trace_reads_are_in_the_key(monkeypatch):
     assert cache_key(model) != base
     model, _ = build_preset("tiny-llama")
     assert cache_key(model) == base
+    model.model.layers[0].self_attn.scaling = np.float32(0.5)
+    assert cache_key(model) != base
+    model, _ = build_preset("tiny-llama")
 
     original_forward = modeling_llama.LlamaMLP.forward
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: original_forward(self, x) * 2)
@@ -220,6 +227,30 @@ def test_code_and_attributes_a_trace_reads_are_in_the_key(monkeypatch):
 
     model.set_attn_implementation("eager")
     assert cache_key(model) != base
+
+
+@pytest.mark.l1
+def test_gradient_checkpointing_input_hook_keeps_the_cache():
+    """transformers puts a forward hook on the input embeddings for gradient checkpointing (PEFT
+    training does it): it makes the output require grads and changes no traced value."""
+    model, _ = build_preset("tiny-llama")
+    model.enable_input_require_grads()
+    assert re.fullmatch("[0-9a-f]{32}", cache_key(model))
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, output: output)
+    assert cache_key(model) == "module 'model.layers.0.mlp' has forward hooks"
+
+
+@pytest.mark.l1
+def test_a_key_that_cannot_be_computed_turns_the_cache_off(monkeypatch, tmp_path):
+    def unreadable(*args, **kwargs):
+        raise RuntimeError("an attribute that cannot be read")
+
+    monkeypatch.setattr(graph_cache, "key_ingredients", unreadable)
+    model, tokenizer = build_preset("tiny-llama")
+    package = export(model, tokenizer, output_dir=tmp_path / "out", cache=tmp_path / "cache")
+    assert package.report.graph_cache == {
+        "off": "the key could not be computed (RuntimeError: an attribute that cannot be read)"}
+    assert (package.path / "model.onnx").is_file()
 
 
 @pytest.mark.l1
@@ -303,19 +334,27 @@ def test_bad_cache_arguments_are_one_line_errors(tmp_path):
 @pytest.mark.l1
 @pytest.mark.slow
 def test_a_multimodal_package_hits_in_every_session(tmp_path):
-    """Four sessions, four entries: the in-memory preset re-exported hits in each, and every file of
-    the package but the report equals an export without the cache."""
+    """Four sessions, four entries: the model in memory re-exported after a training step hits in
+    each, reads its new weights in each, and every file of the package but the report equals an
+    export without the cache."""
     def files(folder: Path) -> dict[str, str]:
         return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
                 for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith("export_report")}
 
-    cache = tmp_path / "cache"
-    first = export("tiny-gemma-4-multimodal", output_dir=tmp_path / "first", cache=cache)
-    sessions = ("decoder", "embedding", "vision", "speech")
+    preset = "tiny-gemma-4-multimodal"
+    model, tokenizer = build_preset(preset)
+    processor = tmp_path / "processor"
+    processor.mkdir()
+    (processor / "processor_config.json").write_text(json.dumps(PRESETS[preset].processor_settings))
+    cache, sessions = tmp_path / "cache", ("decoder", "embedding", "vision", "speech")
+    first = export(model, tokenizer, processor=processor, output_dir=tmp_path / "first", cache=cache)
     assert first.report.graph_cache["sessions"] == dict.fromkeys(sessions, "written")
-    again = export("tiny-gemma-4-multimodal", output_dir=tmp_path / "again", cache=cache)
+    take_training_step(model, seed=3)
+    again = export(model, tokenizer, processor=processor, output_dir=tmp_path / "again", cache=cache)
     assert again.report.graph_cache["sessions"] == dict.fromkeys(sessions, "hit")
-    uncached = export("tiny-gemma-4-multimodal", output_dir=tmp_path / "uncached", cache=False)
+    uncached = export(model, tokenizer, processor=processor, output_dir=tmp_path / "uncached", cache=False)
     assert files(again.path) == files(uncached.path)
-    assert len(files(again.path)) > len(PACKAGE_FILES)
     assert again.report.notes == uncached.report.notes
+    weights_files = [name for name in files(again.path) if name.endswith(".onnx.data")]
+    assert len(weights_files) == len(sessions)
+    assert all(files(again.path)[name] != files(first.path)[name] for name in weights_files)
