@@ -452,12 +452,11 @@ def benchmark_reexport(args) -> None:
 
     from exporter.sources import load
 
-    def nudge(model, seed: int) -> None:  # a training step: every floating saved tensor moves
+    def nudge(model, seed: int) -> None:  # a training step: every parameter moves (buffers are not trained)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for tensor in {t.data_ptr(): t for t in model.state_dict(keep_vars=True).values()}.values():
-                if tensor.is_floating_point():
-                    tensor.add_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 1e-3)
+            for tensor in {t.data_ptr(): t for t in model.parameters()}.values():
+                tensor.add_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 1e-3)
 
     def timed_export(source, tokenizer, output: Path, cache) -> tuple[float, object]:
         start = time.perf_counter()
