@@ -16,8 +16,8 @@ from exporter.errors import ExporterError, environment_error
 from exporter.onnx_passes.quantize_int4 import Int4Options
 from exporter.pipeline import export
 from exporter.precisions import PRECISIONS, choose_precision
-from exporter.report import describe_graph_cache
 from exporter.presets import DEFAULT_PRESET
+from exporter.report import describe_graph_cache
 from exporter.sources import describe_sources
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,8 +8,8 @@ model in memory after more steps) starts from the ONNX passes.
 Where: ``$XDG_CACHE_HOME/genai-exporter/graphs`` (``~/.cache/...`` when unset), or the folder the
 caller names; ``--no-cache`` (API ``cache=False``) or ``GENAI_EXPORTER_NO_CACHE=1`` turns it off.
 The export takes the same steps after lowering whether or not a cache is used (the lowered graph is
-always serialized and read back, weights as placeholders), so a package from the cache is
-byte-identical to one exported without it.
+always serialized and read back, weights as placeholders), so every file of a package from the
+cache but its report is byte-identical to one exported without it.
 
 The key is a sha256 of: this cache's format; the exporter's own source files; the Python, torch,
 transformers, onnx, onnx_ir, onnxscript, onnxruntime and numpy versions; the model's class and
@@ -19,8 +19,8 @@ source files defining the model's classes (and, for code outside transformers, t
 them); the live code of every function those classes and their modules hold (a method or function
 patched at run time changes the key); every module's own attributes (a scaling set after the model
 was built changes the key); every saved tensor's name, shape and dtype; the values of the buffers
-(rotary tables; for a model in memory, its persistent buffers too); where the weights come from; the export settings (profile,
-precision, options, the probed layout, multimodal facts) and the plan. A model with forward hooks
+(rotary tables; for a model in memory, its persistent buffers too); where the weights come from;
+the export settings (profile, precision, options, the probed layout, multimodal facts) and the plan. A model with forward hooks
 (but the one transformers' gradient checkpointing puts on the input embeddings, which changes no
 value), a module whose ``forward`` is replaced on the instance, or a class with no source file (a
 notebook's) is not cached: no key can see what such code does. What the key cannot see: edits to
@@ -53,6 +53,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from exporter import weights
 from exporter.errors import ExporterError
@@ -109,8 +110,8 @@ def chosen_folder(cache: bool | str | Path) -> Path | None:
 
 class GraphCache:
     """One export's entry: a folder per key, a serialized graph and a JSON record per session. A
-    session's record is written last and holds its graph's sha256, so a torn or altered entry reads
-    as a miss."""
+    session's record is written last and holds the sha256 of its graph, recipes and FX records, so
+    a torn or altered entry reads as a miss."""
 
     def __init__(self, root: Path, key: str):
         self.root, self.key = root, key
@@ -130,9 +131,8 @@ class GraphCache:
         return lowered
 
     def write(self, session: str, lowered: LoweredSession, ingredients: dict[str, Any]) -> None:
-        """Writes atomically (each file renamed into place, the record last), then prunes the
-        least recently used entries over ``MAX_BYTES``. Raises OSError where the folder is not
-        writable (the export goes on without it)."""
+        """Writes atomically (each file renamed into place, the record last). Raises OSError where
+        the folder is not writable (the export goes on without it)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         recipes = weights.recipes_to_json(lowered.recipes)
         record = {"format": FORMAT, "sha256": _digest(lowered.model_proto, recipes, lowered.fx_passes),
@@ -142,6 +142,7 @@ class GraphCache:
         _write_atomically(self.folder / f"{session}.json", json.dumps(record).encode())
 
     def prune(self) -> list[Path]:
+        """The least recently used entries over ``MAX_BYTES`` removed, never this one."""
         return prune(self.root, keep=self.folder)
 
 
@@ -188,11 +189,12 @@ def prune(root: Path, keep: Path, max_bytes: int = MAX_BYTES) -> list[Path]:
     return removed
 
 
-def key_ingredients(model: torch.nn.Module, saved: dict[str, torch.Tensor], source_kind: str,
-                    settings, plan, views: tuple[torch.nn.Module, ...] = ()) -> dict[str, Any] | str:
+def key_ingredients(model: torch.nn.Module, weight_source: weights.WeightSource, settings, plan,
+                    views: tuple[torch.nn.Module, ...] = ()) -> dict[str, Any] | str:
     """Everything the lowered graphs depend on, as JSON-able values; or, where the model runs code
-    no key can see, why it cannot be cached. ``views``: modules traced around the model's own (a
-    multimodal model's causal LM view), whose classes' code counts too."""
+    no key can see, why it cannot be cached. The kind of ``weight_source`` decides which tensors
+    are traced with values and which buffers it provides. ``views``: modules traced around the
+    model's own (a multimodal model's causal LM view), whose classes' code counts too."""
     if uncacheable := _unseen_code(model):
         return uncacheable
     classes = _model_classes(model, *views)
@@ -212,11 +214,11 @@ def key_ingredients(model: torch.nn.Module, saved: dict[str, torch.Tensor], sour
         "module_attributes": _module_attributes(model),
         "hooks": {name: [_function_digest(h) for h in module._forward_hooks.values()]
                   for name, module in model.named_modules() if module._forward_hooks},
-        "saved_tensors": {name: [list(t.shape), str(t.dtype)] for name, t in saved.items()},
+        "saved_tensors": {name: [list(t.shape), str(t.dtype)] for name, t in model.state_dict(keep_vars=True).items()},
         # Every buffer with values (rotary tables; a model in memory's persistent ones too, which a
         # pass may fold): fake and meta ones give their shape only.
         "buffers": {name: _tensor_digest(b) for name, b in model.named_buffers()},
-        "weights": source_kind,
+        "weights": _qualified_name(type(weight_source)),
         "settings": _jsonable(dataclasses.asdict(settings)),
         "plan": plan.to_dict(),
     }
@@ -451,7 +453,7 @@ def _project_files() -> Iterator[Path]:
 
 
 def _tensor_digest(tensor: torch.Tensor) -> str:
-    if tensor.device.type == "meta" or tensor.__class__.__name__ == "FakeTensor":
+    if tensor.device.type == "meta" or isinstance(tensor, FakeTensor):
         return f"{list(tensor.shape)} {tensor.dtype} (no values)"
     values = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)  # any dtype, float8 too
     return hashlib.sha256(values.numpy().tobytes()).hexdigest() + f" {list(tensor.shape)} {tensor.dtype}"

@@ -136,8 +136,8 @@ def export(
     whole KV buffer is allocated up front). The report gives the KV cache's bytes at that length.
     ``cache``: where lowered graphs are kept for re-exports of the same architecture with other
     weights (``exporter.graph_cache``): True for ``$XDG_CACHE_HOME/genai-exporter/graphs`` (off where
-    ``GENAI_EXPORTER_NO_CACHE=1``), a folder, or False for none. A package is byte-identical
-    whether or not its graphs came from the cache.
+    ``GENAI_EXPORTER_NO_CACHE=1``), a folder, or False for none. Every file of a package but its
+    report is byte-identical whether or not its graphs came from the cache.
     """
     profile = _profile(ep)
     precision = choose_precision(profile, precision)
@@ -303,13 +303,9 @@ def _graph_cache(folder: Path | None, turned_off: bool, prepared, settings: Expo
         report.graph_cache = {"off": "cache=False (--no-cache)" if turned_off
                               else f"{graph_cache.NO_CACHE_VARIABLE} is set"}
         return None
-    source = prepared.weight_source
-    source_kind = (f"{type(source).__name__}, buffers {'read' if source.provides_buffers else 'as built'}, "
-                   f"traced {'with' if prepared.weights_in_model else 'without'} values")
     try:
         views = (prepared.decoder,) if prepared.decoder is not prepared.model else ()
-        ingredients = graph_cache.key_ingredients(prepared.model, prepared.model.state_dict(keep_vars=True),
-                                                  source_kind, settings, plan, views)
+        ingredients = graph_cache.key_ingredients(prepared.model, prepared.weight_source, settings, plan, views)
     except Exception as error:  # a model the key cannot read costs the cache, never the export
         ingredients = f"the key could not be computed ({type(error).__name__}: {error})"
     if isinstance(ingredients, str):

@@ -27,7 +27,10 @@ class PreparedModel:
     # Where the package's weights are read when it is written: the loaded source's, or the model's
     # own tensors where the model holds them (then traced with their values: ``weights_in_model``).
     weight_source: weights.WeightSource
-    weights_in_model: bool
+
+    @property
+    def weights_in_model(self) -> bool:
+        return isinstance(self.weight_source, weights.ModelWeights)
 
 
 def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
@@ -54,9 +57,9 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         ) from error
     saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     if loaded.weights is None:
-        return PreparedModel(model, decoder, layout, saved_shapes, weights.ModelWeights(model), weights_in_model=True)
+        return PreparedModel(model, decoder, layout, saved_shapes, weights.ModelWeights(model))
     weights.fake_weights(model, buffers=loaded.weights.provides_buffers)
-    return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights, weights_in_model=False)
+    return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights)
 
 
 def causal_lm_view(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:

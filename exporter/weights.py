@@ -513,13 +513,17 @@ def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[st
 
 def _is_saved_tensor(name: str, shapes, names: dict[str, str]) -> bool:
     match = _PIECE.match(name)
-    target = (match["source"] if match else name).removeprefix(_TARGET_PREFIX)
-    return names.get(target, target) in shapes
+    return _saved_name(match["source"] if match else name, names) in shapes
+
+
+def _saved_name(target: str, names: dict[str, str]) -> str:
+    """The source model's name of a program's state-dict target."""
+    name = target.removeprefix(_TARGET_PREFIX)
+    return names.get(name, name)
 
 
 def _tensor_name(target: str, shapes, names: dict[str, str]) -> str:
-    name = target.removeprefix(_TARGET_PREFIX)
-    name = names.get(name, name)
+    name = _saved_name(target, names)
     if name not in shapes:
         raise RuntimeError(f"initializer {target} is no saved tensor of the model")
     return name

@@ -31,7 +31,9 @@ def decode_feeds(session: ort.InferenceSession, past: int, vocab_size: int) -> d
     rng = np.random.default_rng(0)
     feeds = {}
     for graph_input in session.get_inputs():
-        name, dtype = graph_input.name, _NUMPY_TYPES[graph_input.type]
+        name, dtype = graph_input.name, _NUMPY_TYPES.get(graph_input.type)
+        if dtype is None:
+            raise SystemExit(f"the decoder's input {name} is {graph_input.type}, which this script cannot make")
         if name == "input_ids":
             feeds[name] = rng.integers(0, vocab_size, (1, 1)).astype(dtype)
         elif name == "attention_mask":
@@ -40,7 +42,7 @@ def decode_feeds(session: ort.InferenceSession, past: int, vocab_size: int) -> d
             feeds[name] = np.full((1, 1), past, dtype)
         elif name.startswith("past_key_values."):
             # [batch, kv heads, past, head dim]: the symbolic dims are the batch and the past.
-            batch, heads, _, head_dim = graph_input.shape
+            _, heads, _, head_dim = graph_input.shape
             feeds[name] = rng.standard_normal((1, heads, past, head_dim)).astype(dtype)
         else:
             raise SystemExit(f"the decoder has an input this script cannot make: {name} {graph_input.shape}")

@@ -21,6 +21,7 @@ from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 from ep_profiles import get_profile
 from exporter import export, graph_cache
 from exporter.presets import PRESETS, build_preset
+from exporter.weights import ModelWeights
 
 PACKAGE_FILES = ("model.onnx", "model.onnx.data", "genai_config.json")
 PRESET = "tiny-gemma-4"  # layer_scalar buffers, KV-shared layers, a tied head: every kind of saved tensor
@@ -191,8 +192,7 @@ def cache_key(model) -> str | dict:
     from exporter.plan import export_settings, make_plan
 
     settings = export_settings(get_profile("cpu"), derive_layout(model), "fp32")
-    ingredients = graph_cache.key_ingredients(model, model.state_dict(keep_vars=True), "in memory", settings,
-                                              make_plan(settings))
+    ingredients = graph_cache.key_ingredients(model, ModelWeights(model), settings, make_plan(settings))
     return ingredients if isinstance(ingredients, str) else graph_cache.key_of(ingredients)
 
 
