@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 # How a profile's sliding-window layers get their window (``EpProfile.sliding_window``).
 WINDOW_BY_ATTRIBUTE = "local_window_size"  # GroupQueryAttention's own attribute
-WINDOW_BY_MASK = "explicit_mask"  # attention over the whole KV buffer with a window mask built in the graph
+WINDOW_BY_MASK = "explicit_mask"  # attention over the window's KV slots, gathered and masked in the graph
 
 # What a profile's attention becomes (``EpProfile.attention_op``).
 GROUP_QUERY_ATTENTION = "GroupQueryAttention"
@@ -36,8 +36,8 @@ class EpProfile:
         with cos/sin caches) where the model's rotary has transformers' rotate_half form.
     sliding_window: how sliding-window layers get their window: ``WINDOW_BY_ATTRIBUTE``
         (GroupQueryAttention's ``local_window_size``) or ``WINDOW_BY_MASK`` (for an EP whose
-        GroupQueryAttention ignores that attribute in some calls: attention over the KV buffer with a
-        window mask the graph builds itself).
+        GroupQueryAttention ignores that attribute in some calls: attention over the window's slots
+        of the KV buffer, gathered and masked by the graph itself).
     max_buffer_size: the largest single weight the EP can hold, in bytes; None means no limit.
     past_present_share_buffer: whether generation shares one KV buffer between past and present
         (written to genai_config only when every layer's attention is GroupQueryAttention).

@@ -72,10 +72,10 @@ WEBGPU = EpProfile(
     past_present_share_buffer=True,
     graph_capture_option="enableGraphCapture",
     graph_capture=True,
-    # Under graph capture GenAI allocates the KV buffer for max_length slots up front, and the
-    # window-mask attention reads all of them at every step: Gemma 4 E2B's own 131072 positions
-    # would be 2304 MiB of fp16 KV (72 MiB at 4096) and 256x the sliding window's work. 4096 is a
-    # usual on-device chat context; --max-length sets another.
+    # Under graph capture GenAI allocates the KV buffer for max_length slots up front: Gemma 4
+    # E2B's own 131072 positions would be 2304 MiB of fp16 KV (72 MiB at 4096). The sliding
+    # layers read only their window of it, but the full layers attend over every real token. 4096
+    # is a usual on-device chat context; --max-length sets another.
     max_length=4096,
 )
 

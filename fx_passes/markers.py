@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 import torch
-from onnxscript import INT32, INT64
+from onnxscript import FLOAT, INT32, INT64
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
@@ -232,88 +232,170 @@ def _group_query_attention_onnx(query, key, value, past_key, past_value, attenti
     )
 
 
-@torch.library.custom_op("genai_exporter::windowed_attention", mutates_args=())
-def windowed_attention(
+@torch.library.custom_op("genai_exporter::sliding_window_slots", mutates_args=())
+def sliding_window_slots(
+    query: torch.Tensor,
+    attention_mask: torch.Tensor,
+    window: int,
+    kv_num_heads: int,
+    head_size: int,
+    groups: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV-buffer slots a chunk of queries can see through a sliding window, for
+    ``window_attention``: computed once per step and shared by every sliding layer with this
+    window and head layout, so each layer attends over ``span = seq + window - 1`` slots, not the
+    whole buffer (under graph capture ONNX Runtime GenAI's buffer has max_length slots).
+
+    query [batch, seq, ...] (only its shape is read); the KV buffers are as GroupQueryAttention
+    leaves them: each row compact, real tokens first (``sum(attention_mask[b])`` = real_b of
+    them). Query i of row b is at position ``i + max(real_b - seq, 0)``: the row's last ``seq``
+    tokens, or from 0 in a right-padded first prompt. It sees slots j with
+    ``position - window < j <= position`` and ``j < real_b``, all of which lie in the span of
+    slots from ``max(real_b - seq - window + 1, 0)``.
+
+    Returns the span's slots clamped into the row's real tokens, int32, expanded to
+    [batch, kv_num_heads, span, head_size] for GatherElements, and a score bias
+    [batch, seq, groups, span] in the query's dtype, one row per query head of a KV head
+    (``groups`` = num_heads / kv_num_heads): 0 where the query sees the span slot, a large
+    negative where it does not (a slot clamped onto another is hidden, so none counts twice).
+    The bias is a number, not a boolean, because the WebGPU EP slices no booleans (the
+    last-token passes cut its query axis).
+    """
+    batch, seq = query.shape[:2]
+    real = attention_mask.to(torch.int64).sum(-1)  # [batch]
+    span = seq + window - 1
+    slots = (real - seq - window + 1).clamp(min=0)[:, None] + torch.arange(span)  # [batch, span]
+    positions = (real - seq).clamp(min=0)[:, None] + torch.arange(seq)  # [batch, seq]
+    distance = positions[:, :, None] - slots[:, None, :]
+    visible = (distance >= 0) & (distance < window) & (slots[:, None, :] < real[:, None, None])
+    gathered = torch.minimum(slots, (real - 1).clamp(min=0)[:, None]).to(torch.int32)
+    index = gathered[:, None, :, None].expand(batch, kv_num_heads, span, head_size).contiguous()
+    bias = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, _hidden_score_bias(query.dtype))
+    return index, bias[:, :, None].expand(batch, seq, groups, span).contiguous()
+
+
+def _hidden_score_bias(dtype) -> float:
+    """Half the dtype's lowest finite value: added to any score a softmax can use, it stays
+    finite, and its weight is 0 beside any visible score."""
+    return torch.finfo(dtype).min / 2
+
+
+@sliding_window_slots.register_fake
+def _(query, attention_mask, window, kv_num_heads, head_size, groups):
+    batch, seq = query.shape[:2]
+    span = seq + window - 1
+    return (query.new_empty((batch, kv_num_heads, span, head_size), dtype=torch.int32),
+            query.new_empty((batch, seq, groups, span)))
+
+
+def _sliding_window_slots_onnx(query, attention_mask, window: int, kv_num_heads: int, head_size: int, groups: int):
+    """In the form the WebGPU EP runs entirely on the device and captures (measured on
+    onnxruntime-ep-webgpu 0.4.0): counts made with CumSum over ones instead of Shape/Range,
+    constant Reshape and Expand targets, no int64 arithmetic. Counts are float32, exact far past
+    any context (fp16 would stop at 2048)."""
+    f32 = FLOAT.dtype
+    one = op.Constant(value_float=1.0)
+    # The mask through int32 (as GroupQueryAttention's lowering casts it): WebGPU casts no int64 to float.
+    mask = op.Cast(op.Cast(attention_mask, to=INT32.dtype), to=f32)
+    real = op.Unsqueeze(op.ReduceSum(mask, [1], keepdims=1), [2])  # [batch, 1, 1]
+    # Ones over the chunk's queries [batch, seq, 1], made without reading the query's values.
+    query_column = op.Slice(query, [0], [1], [2])
+    ones = op.Cast(op.Not(op.Greater(query_column, query_column)), to=f32)
+    seq = op.ReduceSum(ones, [1], keepdims=1)  # [batch, 1, 1]
+    position = op.Add(op.Sub(seq, op.CumSum(ones, op.Constant(value_int=1), reverse=1)), op.Relu(op.Sub(real, seq)))
+    # The span's offsets 0 .. seq + window - 2: seq ones (one batch row's) then window - 1 more.
+    span_ones = op.Reshape(op.Slice(ones, [0], [1], [0]), [-1])
+    if window > 1:
+        span_ones = op.Concat(span_ones, op.Constant(value_floats=[1.0] * (window - 1)), axis=0)
+    offsets = op.Reshape(op.Sub(op.CumSum(span_ones, op.Constant(value_int=0)), one), [1, 1, -1])
+    slots = op.Add(op.Relu(op.Sub(op.Sub(real, seq), op.Constant(value_float=float(window - 1)))), offsets)
+    distance = op.Sub(position, slots)  # [batch, seq, span]
+    visible = op.And(
+        op.And(op.GreaterOrEqual(distance, op.Constant(value_float=0.0)),
+               op.Less(distance, op.Constant(value_float=float(window)))),
+        op.Less(slots, real),
+    )
+    gathered = op.Min(slots, op.Relu(op.Sub(real, one)))  # [batch, 1, span]
+    index = op.Cast(op.Unsqueeze(gathered, [3]), to=INT32.dtype)  # [batch, 1, span, 1]
+    index = op.Expand(index, op.Constant(value_ints=[1, kv_num_heads, 1, head_size]))
+    hidden = op.CastLike(_hidden_score_bias(_torch_dtype(query)), query)
+    bias = op.Unsqueeze(op.Where(visible, op.CastLike(0.0, query), hidden), [2])  # [batch, seq, 1, span]
+    if groups > 1:
+        bias = op.Expand(bias, op.Constant(value_ints=[1, 1, groups, 1]))
+    return index, bias
+
+
+def _torch_dtype(value) -> torch.dtype:
+    return {ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}.get(
+        getattr(value, "dtype", None), torch.float32)
+
+
+@torch.library.custom_op("genai_exporter::window_attention", mutates_args=())
+def window_attention(
     query: torch.Tensor,
     key_buffer: torch.Tensor,
     value_buffer: torch.Tensor,
-    attention_mask: torch.Tensor,
+    slot_index: torch.Tensor,
+    score_bias: torch.Tensor,
     num_heads: int,
-    kv_num_heads: int,
     scale: float,
     softcap: float,
-    window: int,
 ) -> torch.Tensor:
-    """Sliding-window attention of rotated queries over a layer's whole KV buffer, for EPs whose
-    GroupQueryAttention ignores ``local_window_size`` in some calls (a profile's
-    ``sliding_window = "explicit_mask"``).
+    """Sliding-window attention of rotated queries over the KV-buffer slots
+    ``sliding_window_slots`` picked, for EPs whose GroupQueryAttention ignores
+    ``local_window_size`` in some calls (a profile's ``sliding_window = "explicit_mask"``).
 
     query [batch, seq, num_heads * head] (already rotated); key/value buffers
-    [batch, kv_num_heads, slots, head] as GroupQueryAttention left them: each row compact, real
-    tokens first (``sum(attention_mask[b])`` of them), any slots after that unused (under a
-    shared KV buffer, the rest of max_length). Query i of row b is at position
-    ``i + max(real_b - seq, 0)``: the row's last ``seq`` tokens, or from 0 in a right-padded
-    first prompt. It sees slots j with ``position - window < j <= position`` and ``j < real_b``.
-    Returns [batch, seq, num_heads * head].
+    [batch, kv_num_heads, slots, head]; slot_index [batch, kv_num_heads, span, head] and
+    score_bias [batch, seq, groups, span] from ``sliding_window_slots``. Returns
+    [batch, seq, num_heads * head].
     """
-    seq, slots = query.shape[1], key_buffer.shape[2]
-    real = attention_mask.to(torch.int64).sum(-1)  # [batch]
-    positions = torch.arange(seq)[None, :] + (real - seq).clamp(min=0)[:, None]  # [batch, seq]
-    keys = torch.arange(slots)
-    distance = positions[:, :, None] - keys[None, None, :]
-    visible = (distance >= 0) & (distance < window) & (keys[None, None, :] < real[:, None, None])
-    return _attend(query, key_buffer, value_buffer, visible, num_heads, scale, softcap)
+    index = slot_index.to(torch.int64)
+    keys, values = torch.gather(key_buffer, 2, index), torch.gather(value_buffer, 2, index)
+    return _attend(query, keys, values, score_bias[:, :, 0] == 0, num_heads, scale, softcap)
 
 
-@windowed_attention.register_fake
-def _(query, key_buffer, value_buffer, attention_mask, num_heads, kv_num_heads, scale, softcap, window):
+@window_attention.register_fake
+def _(query, key_buffer, value_buffer, slot_index, score_bias, num_heads, scale, softcap):
     return query.new_empty(query.shape)
 
 
-def _windowed_attention_onnx(query, key_buffer, value_buffer, attention_mask, num_heads: int,
-                             kv_num_heads: int, scale: float, softcap: float, window: int):
-    """MatMul/Softmax over the whole buffer with a window mask built on the device, in the
-    form the WebGPU EP runs entirely on the GPU and captures (measured on onnxruntime-ep-webgpu
-    0.4.0): positions in float, counted with CumSum over ones instead of Shape/Range; constant
-    Reshape targets; no int64 arithmetic. Scores outside the window are replaced (Where), not
-    offset, so whatever an unused buffer slot holds cannot leak into a visible one."""
+def _window_attention_onnx(query, key_buffer, value_buffer, slot_index, score_bias, num_heads: int, scale: float,
+                           softcap: float):
+    """GatherElements of the window's slots, then MatMul/Softmax over them with the window's
+    score bias added. Each KV head takes its group of query heads as extra query rows, in the
+    order the bias already has (token, group), so one KV head (Gemma 4's sliding layers) needs
+    no Transpose of the query or the output. Every gathered slot holds a real token (the
+    indices are clamped into them), so no unused buffer slot's content reaches a score.
+
+    ONNX Runtime's MultiHeadAttention would be one kernel, but onnxruntime-ep-webgpu 0.4.0's
+    gives wrong results from 32 query rows on (measured on lavapipe against its CPU kernel,
+    with and without an attention bias), and GroupQueryAttention refuses a batch of several
+    tokens after a past, which the span is."""
+    shape = key_buffer.shape
+    kv_num_heads, head = (shape[1], shape[3]) if shape is not None else (None, None)
+    if not isinstance(kv_num_heads, int) or not isinstance(head, int):
+        raise ValueError("window_attention needs static KV heads and head size")
     groups = num_heads // kv_num_heads
-    head = key_buffer.shape[3] if key_buffer.shape is not None else None
-    if not isinstance(head, int):
-        raise ValueError("windowed_attention needs a static head size")
-    zero, one = op.CastLike(0.0, query), op.CastLike(1.0, query)
-    real = op.ReduceSum(op.CastLike(attention_mask, query), [1], keepdims=1)  # [batch, 1]
-    # Slot numbers [batch, 1, slots, 1]: a running count over one column of the key buffer,
-    # made of ones without reading its values (unused slots may hold anything).
-    column = op.Slice(op.Slice(key_buffer, [0], [1], [1]), [0], [1], [3])
-    slot = op.Sub(op.CumSum(op.CastLike(op.Not(op.Greater(column, column)), query), op.Constant(value_int=2)), one)
-    slot = op.Reshape(slot, [0, 1, 1, -1])  # [batch, 1, 1, slots]
-    # Query offsets in the chunk [batch, seq, 1]: i = seq - (seq - i), the reverse count of ones.
-    query_column = op.Slice(query, [0], [1], [2])
-    ones = op.CastLike(op.Not(op.Greater(query_column, query_column)), query)
-    remaining = op.CumSum(ones, op.Constant(value_int=1), reverse=1)  # seq - i
-    seq = op.ReduceSum(ones, [1], keepdims=1)  # [batch, 1, 1]
-    past = op.Relu(op.Sub(op.Unsqueeze(real, [2]), seq))  # max(real - seq, 0)
-    position = op.Add(op.Sub(seq, remaining), past)  # [batch, seq, 1]
-    position = op.Unsqueeze(position, [1])  # [batch, 1, seq, 1]
-    distance = op.Sub(position, slot)  # [batch, 1, seq, slots]
-    visible = op.And(
-        op.And(op.GreaterOrEqual(distance, zero), op.Less(distance, op.CastLike(float(window), query))),
-        op.Less(slot, op.Unsqueeze(real, [2, 3])),
-    )
-    visible = op.Unsqueeze(visible, [1])  # [batch, 1, 1, seq, slots]
-    q = op.Transpose(op.Reshape(query, [0, 0, kv_num_heads, groups, head]), perm=[0, 2, 3, 1, 4])
-    k = op.Transpose(op.Unsqueeze(key_buffer, [2]), perm=[0, 1, 2, 4, 3])  # [batch, kv, 1, head, slots]
-    v = op.Unsqueeze(value_buffer, [2])  # [batch, kv, 1, slots, head]
-    scores = op.Mul(op.MatMul(q, k), op.CastLike(scale, query))  # [batch, kv, groups, seq, slots]
+    keys = op.GatherElements(key_buffer, slot_index, axis=2)  # [batch, kv, span, head]
+    values = op.GatherElements(value_buffer, slot_index, axis=2)
+    # Query rows (token, group) per KV head: [batch, kv, seq * groups, head].
+    if kv_num_heads == 1:
+        rows = op.Reshape(query, [0, 1, -1, head])
+    else:
+        rows = op.Transpose(op.Reshape(query, [0, 0, kv_num_heads, groups, head]), perm=[0, 2, 1, 3, 4])
+        rows = op.Reshape(rows, [0, kv_num_heads, -1, head])
+    scores = op.MatMul(rows, op.Transpose(keys, perm=[0, 1, 3, 2]))  # [batch, kv, seq * groups, span]
+    if scale != 1.0:
+        scores = op.Mul(scores, op.CastLike(scale, query))
     if softcap > 0:
         cap = op.CastLike(softcap, query)
         scores = op.Mul(op.Tanh(op.Div(scores, cap)), cap)
-    # The lowest finite score (a fully hidden row, such as a padded query, stays finite).
-    lowest = op.CastLike(-65504.0 if getattr(query, "dtype", None) == ir.DataType.FLOAT16 else -3.0e38, query)
-    weights = op.Softmax(op.Where(visible, scores, lowest), axis=-1)
-    out = op.Transpose(op.MatMul(weights, v), perm=[0, 3, 1, 2, 4])  # [batch, seq, kv, groups, head]
-    return op.Reshape(out, [0, 0, num_heads * head])
+    bias = op.Reshape(score_bias, [0, 1, -1, 0])  # [batch, 1, seq * groups, span], one per step after CSE
+    out = op.MatMul(op.Softmax(op.Add(scores, bias), axis=-1), values)  # [batch, kv, seq * groups, head]
+    if kv_num_heads > 1:
+        out = op.Transpose(op.Reshape(out, [0, kv_num_heads, -1, groups, head]), perm=[0, 2, 1, 3, 4])
+    return op.Reshape(out, [0, -1, num_heads * head])
 
 
 @torch.library.custom_op("genai_exporter::mixture_of_experts", mutates_args=())
@@ -380,5 +462,6 @@ ONNX_TRANSLATIONS = {
     torch.ops.genai_exporter.mixture_of_experts.default: _mixture_of_experts_onnx,
     torch.ops.genai_exporter.last_token.default: _last_token_onnx,
     torch.ops.genai_exporter.group_query_attention.default: _group_query_attention_onnx,
-    torch.ops.genai_exporter.windowed_attention.default: _windowed_attention_onnx,
+    torch.ops.genai_exporter.sliding_window_slots.default: _sliding_window_slots_onnx,
+    torch.ops.genai_exporter.window_attention.default: _window_attention_onnx,
 }

@@ -46,7 +46,8 @@ from fx_passes.rotary import Rotary, match_rotary, rotary_caches
 
 _aten = torch.ops.aten
 _GQA = torch.ops.genai_exporter.group_query_attention.default
-_WINDOWED = torch.ops.genai_exporter.windowed_attention.default
+_WINDOWED = torch.ops.genai_exporter.window_attention.default
+_WINDOW_SLOTS = torch.ops.genai_exporter.sliding_window_slots.default
 
 
 class SubstituteGroupQueryAttention:
@@ -78,13 +79,15 @@ class SubstituteGroupQueryAttention:
                 limit //= 4
             rotary = _RotaryCaches(program, layout.context_length, limit)
         window_by_mask = context.profile.sliding_window == WINDOW_BY_MASK
+        # (window, KV heads, head size, query heads per KV head) -> the slots its layers share
+        window_slots: dict[tuple[int, int, int, int], tuple[Node, Node]] = {}
         shared = rotated = masked = 0
         for core, window in zip(cores, windows, strict=True):
             key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
             if core.layer in plain:
                 continue
             # The EP's GroupQueryAttention cannot be trusted with this window: it still writes the
-            # cache (owners), but the attention itself reads the buffer through a window mask.
+            # cache (owners), but the attention itself reads the window's slots of the buffer.
             mask_window = window_by_mask and window > 0
             owner = key_cat not in presents
             heads = int(core.query.meta["val"].shape[1])
@@ -117,8 +120,12 @@ class SubstituteGroupQueryAttention:
                                        heads, kv_heads, core.scale, core.softcap, window, *caches)
                         output = _call(graph, operator.getitem, marker, 0)
                 if mask_window:
-                    output = _call(graph, _WINDOWED, query, present_key, present_value, attention_mask,
-                                   heads, kv_heads, core.scale, core.softcap, window)
+                    shape = (window, kv_heads, head, heads // kv_heads)
+                    if shape not in window_slots:  # the first such layer's query gives the shape
+                        slots = _call(graph, _WINDOW_SLOTS, query, attention_mask, *shape)
+                        window_slots[shape] = tuple(_call(graph, operator.getitem, slots, i) for i in range(2))
+                    output = _call(graph, _WINDOWED, query, present_key, present_value, *window_slots[shape],
+                                   heads, core.scale, core.softcap)
                     masked += 1
             if owner:
                 for concat, present in ((key_cat, present_key), (value_cat, present_value)):
@@ -129,7 +136,7 @@ class SubstituteGroupQueryAttention:
         graph.lint()
         program.graph_module.recompile()
         # One attention per layer, plus the cache-writing GroupQueryAttention of each owner whose
-        # attention reads its buffer through a window mask.
+        # attention reads its window's slots of the buffer.
         expected = layout.num_layers - len(plain) + sum(
             1 for n in graph.nodes if n.target is _GQA and not _output_read(n))
         if sum(n.target in (_GQA, _WINDOWED) for n in graph.nodes) != expected or masked != sum(

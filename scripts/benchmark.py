@@ -8,6 +8,7 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py --attention           # GroupQueryAttention vs plain attention
     python scripts/benchmark.py --tied-head           # tied LM head stored twice vs once
     python scripts/benchmark.py tiny-gemma-4 --graph-capture   # WebGPU decode, graph capture on vs off
+    python scripts/benchmark.py tiny-gemma-4 --max-lengths 1024 8192   # WebGPU decode at each max_length
     python scripts/benchmark.py --reexport            # re-export with other weights: graph cache vs none
 
 --truncation exports the model twice (last-token passes on, and off via full_logits), then times
@@ -61,6 +62,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--graph-capture", action="store_true",
                         help="WebGPU EP (needs onnxruntime-ep-webgpu and an adapter): TTFT and decode with graph "
                              "capture on vs off (--no-graph-capture)")
+    parser.add_argument("--max-lengths", type=int, nargs="+", metavar="N",
+                        help="WebGPU EP with graph capture: TTFT and decode of packages exported with each "
+                             "--max-length N, generating under their own max_length (GenAI then allocates N KV "
+                             "slots); the model's context is raised to the largest N where it is shorter")
+    parser.add_argument("--precision", default="fp16", help="the --max-lengths packages' precision (default fp16)")
     return parser.parse_args()
 
 
@@ -230,9 +236,12 @@ def export_variants(loaded, variants: dict, scratch: str, what: str = "") -> dic
     return packages
 
 
-def alternating_generation(packages: dict, length: int, decode_tokens: int, repeats: int):
+def alternating_generation(packages: dict, length: int, decode_tokens: int, repeats: int,
+                           search_max_length: int | None = None):
     """TTFT and decode tokens/s of each package for one prompt length, variants taking turns
-    (order flipped every repeat), one discarded warm-up each."""
+    (order flipped every repeat), one discarded warm-up each. GenAI generates under
+    ``search_max_length``, by default just what the prompt and the decoded tokens need; 0 means
+    each package's own genai_config (under graph capture GenAI sizes the KV buffers by it)."""
     import onnxruntime_genai as og
 
     models = {variant: og.Model(str(package.path)) for variant, package in packages.items()}
@@ -242,7 +251,10 @@ def alternating_generation(packages: dict, length: int, decode_tokens: int, repe
 
     def run(model):
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=length + decode_tokens, do_sample=False)
+        if search_max_length == 0:
+            params.set_search_options(do_sample=False)
+        else:
+            params.set_search_options(max_length=search_max_length or length + decode_tokens, do_sample=False)
         generator = og.Generator(model, params)
         start = time.perf_counter()
         generator.append_tokens(prompt)
@@ -338,6 +350,40 @@ def benchmark_graph_capture(args) -> None:
             f"WebGPU graph capture, {args.model}, ONNX Runtime GenAI on the WebGPU EP fp32, {length}-token prompt, "
             f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)",
             "variant", packages, results, "capture off", "off", ("ONNX nodes", _nodes))
+
+
+def benchmark_max_length(args) -> None:
+    """The webgpu profile (graph capture on) exported with each --max-length, each package
+    generating under its own max_length, alternating in one run: how decode cost grows with the
+    KV buffer GenAI allocates. On lavapipe GPU work is CPU work, so the ratio, not the speed, is
+    what carries to a real GPU."""
+    from ep_profiles import get_profile
+    from exporter.ep_runtime import register
+    from exporter.sources import load
+
+    register(get_profile("webgpu"), genai=True)
+    loaded = load(args.model)
+    text = loaded.model.config.get_text_config(decoder=True)
+    longest = max(args.max_lengths)
+    if text.max_position_embeddings < longest:
+        print(f"raising {args.model}'s context from {text.max_position_embeddings} to {longest} positions",
+              file=sys.stderr)
+        text.max_position_embeddings = longest
+    length = args.prompt_lengths[0]
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = {}
+        for max_length in args.max_lengths:
+            print(f"exporting for webgpu, max_length {max_length} ...", file=sys.stderr, flush=True)
+            packages[f"max_length {max_length}"] = export(
+                loaded.model, loaded.tokenizer, ep="webgpu", precision=args.precision, max_length=max_length,
+                output_dir=Path(scratch) / str(max_length))
+        results = alternating_generation(packages, length, args.decode_tokens, args.repeats, search_max_length=0)
+        first = next(iter(packages))
+        print_generation_table(
+            f"WebGPU decode by max_length, {args.model}, ONNX Runtime GenAI on the WebGPU EP with graph capture, "
+            f"{args.precision}, {length}-token prompt, {args.decode_tokens} decoded tokens (median of {args.repeats}, "
+            "alternating)", "package", packages, results, first, first,
+            ("KV buffer MiB", lambda package: f"{package.report.kv_cache['bytes'] / 2**20:.1f}"))
 
 
 def benchmark_fusions(args) -> None:
@@ -528,6 +574,9 @@ def main() -> None:
         return
     if args.graph_capture:
         benchmark_graph_capture(args)
+        return
+    if args.max_lengths:
+        benchmark_max_length(args)
         return
     if args.tied_head:
         benchmark_tied_head(args)

@@ -1,8 +1,13 @@
 """Compare ONNX Runtime GenAI packages from any exporter (not a test): time to first token and
-decode tokens/s on the CPU, the packages taking turns in one run (order flipped every repeat, one
-warm-up each), so a shared, noisy machine slows them alike.
+decode tokens/s, the packages taking turns in one run (order flipped every repeat, one warm-up
+each), so a shared, noisy machine slows them alike.
 
     python scripts/compare_packages.py ours=out/llama-int4 builder=/tmp/builder-int4 --prompt-length 512
+    python scripts/compare_packages.py ours=out/webgpu mobius=/tmp/mobius-webgpu --ep webgpu --max-length 4096
+
+``--ep webgpu`` registers the WebGPU plugin with GenAI; each package then runs on the providers
+its own genai_config names (graph capture included). ``--max-length`` sets GenAI's max_length for
+every package (under graph capture it sizes the KV buffers); 0 keeps each package's own.
 
 Give this exporter's package beside the same checkpoint's package from ONNX Runtime GenAI's model
 builder (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -e cpu -p int4 -c CACHE``) or
@@ -30,6 +35,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-length", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ep", choices=("cpu", "webgpu"), default="cpu",
+                        help="cpu: the packages' own providers, as installed; webgpu: register the WebGPU plugin first")
+    parser.add_argument("--max-length", type=int, metavar="N",
+                        help="GenAI's max_length for every package (default: the prompt and decoded tokens; "
+                             "0: each package's own)")
     return parser.parse_args()
 
 
@@ -51,10 +61,18 @@ def read_packages(specs: list[str]) -> dict[str, SimpleNamespace]:
 def main() -> None:
     args = parse_args()
     packages = read_packages(args.packages)
-    results = alternating_generation(packages, args.prompt_length, args.decode_tokens, args.repeats)
+    if args.ep == "webgpu":
+        from ep_profiles import get_profile
+        from exporter.ep_runtime import register
+
+        register(get_profile("webgpu"), genai=True)
+    results = alternating_generation(packages, args.prompt_length, args.decode_tokens, args.repeats,
+                                     search_max_length=args.max_length)
     first = next(iter(packages))
-    print_generation_table(f"ONNX Runtime GenAI CPU, {args.prompt_length}-token prompt, {args.decode_tokens} decoded "
-                           f"tokens (median of {args.repeats}, alternating)", "package", packages, results, first, first)
+    length = {None: "", 0: ", each package's own max_length"}.get(args.max_length, f", max_length {args.max_length}")
+    print_generation_table(f"ONNX Runtime GenAI, {args.ep} packages, {args.prompt_length}-token prompt, "
+                           f"{args.decode_tokens} decoded tokens{length} (median of {args.repeats}, alternating)",
+                           "package", packages, results, first, first)
 
 
 if __name__ == "__main__":

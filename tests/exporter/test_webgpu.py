@@ -102,10 +102,11 @@ def test_without_the_rewrites_graph_capture_is_refused(webgpu_exports):
         inference_session(uncaptured.model_path, WEBGPU, WEBGPU.genai_provider_options())
 
 
-def _webgpu_greedy(package: Path, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], str]:
+def _webgpu_greedy(package: Path, prompts: list[list[int]], new_tokens: int,
+                   mode: str = "one by one") -> tuple[list[list[int]], str]:
     env = dict(os.environ, ORTGENAI_ORT_VERBOSE_LOGGING="1")
-    done = subprocess.run([sys.executable, str(GREEDY), str(package), "webgpu", json.dumps(prompts), str(new_tokens)],
-                          check=False, capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, str(GREEDY), str(package), "webgpu", json.dumps(prompts), str(new_tokens),
+                           mode], check=False, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
@@ -129,6 +130,24 @@ def test_graph_capture_generation_matches_cpu_past_the_window(webgpu_exports):
         # The first token comes from the (uncaptured) prompt run, the first decode step captures,
         # and every later step replays.
         assert log.count("Replaying the captured WebGpuExecutionProvider graph") == len(got[0]) - 2 > 0
+
+
+@pytest.mark.l5
+def test_batched_generation_matches_cpu_past_the_window(webgpu_exports):
+    """A batch of two prompts longer than the window, both packages (with and without capture):
+    the window attention's slots and bias are per row, and a batched prompt is the case
+    GroupQueryAttention refuses after a past."""
+    from helpers.genai_greedy import batched_greedy
+
+    require_webgpu()
+    cpu, captured, uncaptured = webgpu_exports
+    window = cpu.package.layout.sliding_window
+    prompts = [[(13 * i + 2) % 500 + 5 for i in range(window + 4)], [(5 * i + 9) % 500 + 5 for i in range(window + 4)]]
+    want = batched_greedy(og.Model(str(cpu.package.path)), prompts, window + 8)
+    assert want[0] != want[1]
+    for package in (captured, uncaptured):
+        got, _ = _webgpu_greedy(package.path, prompts, window + 8, "batched")
+        assert got == want
 
 
 @pytest.mark.l5

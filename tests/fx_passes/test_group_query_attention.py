@@ -113,19 +113,21 @@ def test_substitution_on_rotated_inputs_keeps_results():
             assert_same_results(inputs, program.module()(*inputs), want)
 
 
-WINDOWED = torch.ops.genai_exporter.windowed_attention.default
+WINDOWED = torch.ops.genai_exporter.window_attention.default
+WINDOW_SLOTS = torch.ops.genai_exporter.sliding_window_slots.default
 
 
 @pytest.mark.l2
 @pytest.mark.parametrize("name", ["tiny-gemma-4", "tiny-gemma2"])
 def test_window_mask_profile_keeps_results(name):
     """A profile whose GroupQueryAttention cannot be trusted with windows (webgpu): sliding layers
-    attend through ``windowed_attention`` over the cache buffer; owners still write it with
+    attend through ``window_attention`` over the window's slots of the cache buffer; owners still write it with
     GroupQueryAttention (no window), KV-shared sliding layers have no GroupQueryAttention."""
     layout, program, cases, before, changes = _substituted(name, profile=get_profile("webgpu"))
     targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
     sliding = changes["sliding_window_layers"]
     assert sliding > 0 and changes["window_mask_layers"] == sliding == targets.count(WINDOWED)
+    assert targets.count(WINDOW_SLOTS) == 1  # one window and KV shape: its slots are computed once per step
     types = build_preset(name)[0].config.layer_types
     sliding_shared = sum(1 for i in layout.shared_layer_indices if types[i] == "sliding_attention")
     assert targets.count(GQA) == layout.num_layers - sliding_shared
