@@ -52,6 +52,9 @@ def _(x: torch.Tensor, attention_mask: torch.Tensor, dim: int, last_position: bo
 
 def _last_token_onnx(x, attention_mask, dim: int, last_position: bool = False):
     if last_position:
+        if getattr(x, "dtype", None) in (ir.DataType.INT64, ir.DataType.INT32):
+            # The WebGPU EP slices no integers (position ids), but gathers them.
+            return op.Gather(x, op.Constant(value_ints=[-1]), axis=dim)
         return op.Slice(x, op.Constant(value_ints=[-1]), op.Constant(value_ints=[_INT64_MAX]),
                         op.Constant(value_ints=[dim]))
     seq = op.Shape(x, start=dim, end=dim + 1)
@@ -195,6 +198,7 @@ def _contrib_op(name: str, inputs: list[str], outputs: list[str], attributes: di
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
             ("M", ["tensor(int32)"], ""),
+            ("P", ["tensor(int64)"], ""),
         ],
         attributes=[onnx.defs.OpSchema.Attribute(a, t, required=False) for a, t in attributes.items()],
     )
@@ -230,6 +234,20 @@ def _group_query_attention_onnx(query, key, value, past_key, past_value, attenti
         local_window_size=local_window_size if local_window_size > 0 else -1,  # ORT: -1 = no window
         _outputs=3, **rotary,
     )
+
+
+@torch.library.custom_op("genai_exporter::rotary_embedding", mutates_args=())
+def rotary_embedding(x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                     num_heads: int) -> torch.Tensor:
+    """ONNX Runtime's ``com.microsoft.RotaryEmbedding``, non-interleaved (transformers'
+    ``rotate_half`` form): x [batch, seq, num_heads * head] rotated at position_ids [batch, seq]
+    with the caches GroupQueryAttention takes ([max_positions, head / 2])."""
+    return _rotate(x, position_ids, num_heads, cos_cache, sin_cache)
+
+
+@rotary_embedding.register_fake
+def _(x, position_ids, cos_cache, sin_cache, num_heads):
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("genai_exporter::sliding_window_slots", mutates_args=())
@@ -360,6 +378,16 @@ def _(query, key_buffer, value_buffer, slot_index, score_bias, num_heads, scale,
     return query.new_empty(query.shape)
 
 
+_ROTARY_EMBEDDING = _contrib_op(
+    "RotaryEmbedding", ["input", "position_ids:P", "cos_cache", "sin_cache"], ["output"],
+    {"interleaved": _ATTR.INT, "num_heads": _ATTR.INT},
+)
+
+
+def _rotary_embedding_onnx(x, position_ids, cos_cache, sin_cache, num_heads: int):
+    return _ROTARY_EMBEDDING(x, position_ids, cos_cache, sin_cache, interleaved=0, num_heads=num_heads)
+
+
 def _window_attention_onnx(query, key_buffer, value_buffer, slot_index, score_bias, num_heads: int, scale: float,
                            softcap: float):
     """GatherElements of the window's slots, then MatMul/Softmax over them with the window's
@@ -462,6 +490,7 @@ ONNX_TRANSLATIONS = {
     torch.ops.genai_exporter.mixture_of_experts.default: _mixture_of_experts_onnx,
     torch.ops.genai_exporter.last_token.default: _last_token_onnx,
     torch.ops.genai_exporter.group_query_attention.default: _group_query_attention_onnx,
+    torch.ops.genai_exporter.rotary_embedding.default: _rotary_embedding_onnx,
     torch.ops.genai_exporter.sliding_window_slots.default: _sliding_window_slots_onnx,
     torch.ops.genai_exporter.window_attention.default: _window_attention_onnx,
 }

@@ -48,6 +48,7 @@ _aten = torch.ops.aten
 _GQA = torch.ops.genai_exporter.group_query_attention.default
 _WINDOWED = torch.ops.genai_exporter.window_attention.default
 _WINDOW_SLOTS = torch.ops.genai_exporter.sliding_window_slots.default
+_ROTARY = torch.ops.genai_exporter.rotary_embedding.default
 
 
 class SubstituteGroupQueryAttention:
@@ -95,7 +96,7 @@ class SubstituteGroupQueryAttention:
             new_key = key_cat.args[0][1] if owner else None
             query_rotary = key_rotary = None
             caches = ()
-            if rotary is not None and not mask_window:  # the masked attention needs rotated queries
+            if rotary is not None:
                 query_rotary, key_rotary = _rotary_of(core.query), _rotary_of(new_key) if owner else None
                 caches = rotary.caches_for(query_rotary, key_rotary, owner)
                 if caches:
@@ -120,6 +121,8 @@ class SubstituteGroupQueryAttention:
                                        heads, kv_heads, core.scale, core.softcap, window, *caches)
                         output = _call(graph, operator.getitem, marker, 0)
                 if mask_window:
+                    if caches:  # the window attention takes its queries rotated, by one ONNX Runtime kernel
+                        query = _call(graph, _ROTARY, query, user_input(program, "position_ids"), *caches, heads)
                     shape = (window, kv_heads, head, heads // kv_heads)
                     if shape not in window_slots:  # the first such layer's query gives the shape
                         slots = _call(graph, _WINDOW_SLOTS, query, attention_mask, *shape)

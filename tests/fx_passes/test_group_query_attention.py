@@ -115,6 +115,7 @@ def test_substitution_on_rotated_inputs_keeps_results():
 
 WINDOWED = torch.ops.genai_exporter.window_attention.default
 WINDOW_SLOTS = torch.ops.genai_exporter.sliding_window_slots.default
+ROTARY = torch.ops.genai_exporter.rotary_embedding.default
 
 
 @pytest.mark.l2
@@ -128,6 +129,9 @@ def test_window_mask_profile_keeps_results(name):
     sliding = changes["sliding_window_layers"]
     assert sliding > 0 and changes["window_mask_layers"] == sliding == targets.count(WINDOWED)
     assert targets.count(WINDOW_SLOTS) == 1  # one window and KV shape: its slots are computed once per step
+    if name == "tiny-gemma-4":  # queries rotated by ONNX Runtime's RotaryEmbedding, keys by GroupQueryAttention
+        assert targets.count(ROTARY) == sliding
+        assert changes["rotary_in_attention_layers"] == layout.num_layers
     types = build_preset(name)[0].config.layer_types
     sliding_shared = sum(1 for i in layout.shared_layer_indices if types[i] == "sliding_attention")
     assert targets.count(GQA) == layout.num_layers - sliding_shared
@@ -156,9 +160,12 @@ def test_substitution_reads_each_model_from_its_graph():
 
 
 @pytest.mark.l2
-def test_substitution_works_with_prefill_truncation():
+@pytest.mark.parametrize("profile", ["cpu", "webgpu"])
+def test_substitution_works_with_prefill_truncation(profile):
+    """webgpu: the window attention's shared slots and bias, and the position ids its rotary
+    reads, cross into the layers that run on the last token only."""
     passes = [*PASSES, "gather_last_token", "truncate_shared_kv_layers"]
-    _, program, cases, before, _ = _substituted("tiny-gemma-4", passes)
+    _, program, cases, before, _ = _substituted("tiny-gemma-4", passes, profile=get_profile(profile))
     with torch.no_grad():
         for inputs, want in zip(cases, before, strict=True):
             got = program.module()(*inputs)
