@@ -1,12 +1,16 @@
 """The clean-up list after folding, chosen for linear cost: dead nodes, functions and opsets,
-identities, common subexpressions, small constants lifted to initializers, duplicate initializers,
-output and name fixes, and node metadata cleared. onnxscript's default rewrite-rule set is left
-out: its matching cost grows with the square of the node count."""
+identities (full-range Slices too: transformers' ``x[:, :, i]`` lowers to two of them per layer,
+each a kernel dispatch), common subexpressions, small constants lifted to initializers, duplicate
+initializers, output and name fixes, and node metadata cleared. onnxscript's default rewrite-rule
+set is left out: its matching cost grows with the square of the node count; its one full-slice
+rule matches single nodes."""
 
 from __future__ import annotations
 
 import onnx_ir as ir
 from onnx_ir.passes import common
+from onnxscript.rewriter import RewritePass, RewriteRuleSet
+from onnxscript.rewriter.rules.common import collapse_slice_rule
 
 from exporter.onnx_passes.base import run_in_place
 
@@ -16,6 +20,7 @@ def _tidy_passes() -> list[ir.passes.PassBase]:
         common.RemoveUnusedNodesPass(),
         common.RemoveUnusedFunctionsPass(),
         common.RemoveUnusedOpsetsPass(),
+        RewritePass(RewriteRuleSet([collapse_slice_rule])),  # a full-range Slice becomes an Identity
         common.IdentityEliminationPass(),
         common.CommonSubexpressionEliminationPass(),
         common.RemoveUnusedNodesPass(),
