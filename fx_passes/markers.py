@@ -27,8 +27,8 @@ def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int, last_pos
     position 0.
 
     ``last_position``: the chunk is known to have no padding (a graph-captured decoder runs one
-    unpadded sequence), so the last position is taken as it is; the ONNX form is then one Slice,
-    with no shape arithmetic on the CPU, and the mask (under graph capture a zero-padded buffer
+    unpadded sequence), so the last position is taken as it is; the ONNX form is then one Slice
+    (a Gather for integers), with no shape arithmetic on the CPU, and the mask (under graph capture a zero-padded buffer
     of max_length columns) is not read.
     """
     seq = x.shape[dim]
@@ -293,8 +293,9 @@ def sliding_window_slots(
 
 
 def _hidden_score_bias(dtype) -> float:
-    """Half the dtype's lowest finite value: added to any score a softmax can use, it stays
-    finite, and its weight is 0 beside any visible score."""
+    """Half the dtype's lowest finite value: added to a score, it stays finite, and its weight is
+    0 beside any visible score while scores stay far below half the dtype's range (Gemma 4's
+    normed queries and keys, soft-capped Gemma 2)."""
     return torch.finfo(dtype).min / 2
 
 
@@ -344,8 +345,11 @@ def _sliding_window_slots_onnx(query, attention_mask, window: int, kv_num_heads:
 
 
 def _torch_dtype(value) -> torch.dtype:
-    return {ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}.get(
-        getattr(value, "dtype", None), torch.float32)
+    dtypes = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16,
+              ir.DataType.BFLOAT16: torch.bfloat16}
+    if getattr(value, "dtype", None) not in dtypes:  # a wrong guess would make the bias -inf, and hidden rows NaN
+        raise ValueError(f"sliding_window_slots needs a float query of known dtype, not {getattr(value, 'dtype', None)}")
+    return dtypes[value.dtype]
 
 
 @torch.library.custom_op("genai_exporter::window_attention", mutates_args=())

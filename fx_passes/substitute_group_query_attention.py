@@ -109,8 +109,12 @@ class SubstituteGroupQueryAttention:
                     key = _heads_last(graph, new_key, key_rotary)
                     value = _heads_last(graph, value_cat.args[0][1])
                     past_key, past_value = key_cat.args[0][0], value_cat.args[0][0]
-                    marker = _call(graph, _GQA, query, key, value, past_key, past_value, attention_mask,
-                                   heads, kv_heads, core.scale, core.softcap, 0 if mask_window else window, *caches)
+                    if mask_window:  # only the cache it writes is read: its attention, one head per KV head
+                        marker = _call(graph, _GQA, key, key, value, past_key, past_value, attention_mask,
+                                       kv_heads, kv_heads, core.scale, core.softcap, 0, *caches)
+                    else:
+                        marker = _call(graph, _GQA, query, key, value, past_key, past_value, attention_mask,
+                                       heads, kv_heads, core.scale, core.softcap, window, *caches)
                     output, present_key, present_value = (_call(graph, operator.getitem, marker, i) for i in range(3))
                 else:
                     present_key, present_value = presents[key_cat], presents[value_cat]

@@ -46,14 +46,28 @@ def test_webgpu_package_is_ready_for_graph_capture(webgpu_exports):
     assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"webgpu": {"enableGraphCapture": "1"}}]
     assert config["search"]["past_present_share_buffer"] is True
     gqa = next(r for r in captured.report.fx_passes if r["name"] == "substitute_group_query_attention")["changes"]
-    # Every sliding layer attends through the window mask; full layers keep GroupQueryAttention.
+    # Every sliding layer attends over its window's slots; full layers keep GroupQueryAttention.
     assert gqa["window_mask_layers"] == gqa["sliding_window_layers"] > 0
     assert captured.report.op_counts["com.microsoft.GroupQueryAttention"] < captured.layout.num_layers
+    # Dispatches per step: one window-slot computation for all sliding layers, no full-range Slice
+    # left (transformers' x[:, :, i] of the per-layer inputs: Tidy turns them into nothing).
+    assert captured.report.op_counts["CumSum"] == 2  # the slots' two counts, once
+    full_slices = [n for n in model.graph if n.op_type == "Slice" and _is_full_range(n)]
+    assert full_slices == []
     # Without graph capture the shape arithmetic stays (the CPU may run it).
     assert postconditions.cpu_placed_nodes(ir.load(uncaptured.model_path))
     uncaptured_config = json.loads((uncaptured.path / "genai_config.json").read_text())
     assert uncaptured_config["model"]["decoder"]["session_options"]["provider_options"] == [
         {"webgpu": {"enableGraphCapture": "0"}}]
+
+
+def _is_full_range(node) -> bool:
+    bounds = [ir.convenience.get_const_tensor(value) for value in node.inputs[1:] if value is not None]
+    if any(bound is None for bound in bounds):
+        return False
+    starts, ends, *rest = (bound.numpy().tolist() for bound in bounds)
+    steps = rest[1] if len(rest) > 1 else [1] * len(starts)
+    return all(s == 0 and e >= 2**62 and step == 1 for s, e, step in zip(starts, ends, steps, strict=True))
 
 
 @pytest.mark.l1
@@ -135,8 +149,9 @@ def test_graph_capture_generation_matches_cpu_past_the_window(webgpu_exports):
 @pytest.mark.l5
 def test_batched_generation_matches_cpu_past_the_window(webgpu_exports):
     """A batch of two prompts longer than the window, both packages (with and without capture):
-    the window attention's slots and bias are per row, and a batched prompt is the case
-    GroupQueryAttention refuses after a past."""
+    the window attention's slots and bias are computed per row. (A batch of one length: the
+    captured graph takes each row's last position as its last token, as GenAI's unpadded
+    batches have it.)"""
     from helpers.genai_greedy import batched_greedy
 
     require_webgpu()

@@ -20,13 +20,16 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # one attention: summati
 # groups regrouped per KV head, soft-capping (Gemma 2).
 LAYOUTS = [(1, 0.0), (2, 0.0), (2, 50.0)]
 
-# name: (query tokens, each row's real tokens, buffer slots)
+# name: (query tokens, each row's real tokens, buffer slots, mask columns: None = the longest row's
+# real tokens, as GenAI feeds without capture; a number = zero-padded, as its captured mask buffer)
 CASES = {
-    "decode past the window, max_length buffer": (1, [12, 9], 64),
-    "decode inside the window": (1, [3, 2], 64),
-    "right-padded first prompt longer than the window": (7, [7, 3], 32),
-    "chunk after a past": (3, [10, 10], 16),
-    "buffer shorter than the span": (6, [6, 6], 7),
+    "decode past the window, max_length buffer": (1, [12, 9], 64, None),
+    "decode inside the window": (1, [3, 2], 64, None),
+    "decode, mask zero-padded to the buffer": (1, [12], 64, 64),
+    "decode past 2048 tokens (fp16 counts would stop there)": (1, [3001], 3072, 3072),
+    "right-padded first prompt longer than the window": (7, [7, 3], 32, None),
+    "chunk after a past": (3, [10, 10], 16, None),
+    "buffer shorter than the span": (6, [6, 6], 7, None),
 }
 
 
@@ -42,7 +45,7 @@ class WindowAttention(torch.nn.Module):
         return ops.window_attention(query, key_buffer, value_buffer, index, bias, NUM_HEADS, SCALE, self.softcap)
 
 
-def _inputs(kv_heads: int, seq: int, real: list[int], slots: int, dtype: torch.dtype):
+def _inputs(kv_heads: int, seq: int, real: list[int], slots: int, dtype: torch.dtype, columns: int | None = None):
     generator = torch.Generator().manual_seed(0)
     batch = len(real)
     query = torch.randn(batch, seq, NUM_HEADS * HEAD, generator=generator).to(dtype)
@@ -50,17 +53,19 @@ def _inputs(kv_heads: int, seq: int, real: list[int], slots: int, dtype: torch.d
     for buffer in buffers:
         for row, count in enumerate(real):
             buffer[row, :, count:] = float("nan")  # unused slots: whatever the buffer held
-    mask = torch.tensor([[1] * count + [0] * (max(real) - count) for count in real], dtype=torch.int64)
+    width = columns or max(real)
+    mask = torch.tensor([[1] * count + [0] * (width - count) for count in real], dtype=torch.int64)
     return query, *buffers, mask
 
 
 def _reference(kv_heads: int, softcap: float, query, key_buffer, value_buffer, mask) -> torch.Tensor:
     """GroupQueryAttention's window over each row's real slots, the chunk's keys already in the
     buffer: passed as a KV-shared layer passes them, no new tokens and the buffer as the past."""
-    keys, values = (b[:, :, : int(mask.sum(-1).max())].nan_to_num(0.0).float() for b in (key_buffer, value_buffer))
+    longest = int(mask.sum(-1).max())
+    keys, values = (b[:, :, :longest].nan_to_num(0.0).float() for b in (key_buffer, value_buffer))
     empty = query.new_zeros(query.shape[0], 0, kv_heads * HEAD).float()
     return torch.ops.genai_exporter.group_query_attention(
-        query.float(), empty, empty, keys, values, mask, NUM_HEADS, kv_heads, SCALE, softcap, WINDOW)[0]
+        query.float(), empty, empty, keys, values, mask[:, :longest], NUM_HEADS, kv_heads, SCALE, softcap, WINDOW)[0]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +92,8 @@ def sessions(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_lowered_window_attention_matches_the_group_query_attention_window(sessions, case, layout, dtype):
     kv_heads, softcap = layout
-    seq, real, slots = CASES[case]
-    inputs = _inputs(kv_heads, seq, real, slots, dtype)
+    seq, real, slots, columns = CASES[case]
+    inputs = _inputs(kv_heads, seq, real, slots, dtype, columns)
     session, ops = sessions[kv_heads, softcap, dtype]
     # On the device under graph capture: no shape arithmetic; one KV head needs no transposed query.
     assert not {"Shape", "Range"} & set(ops)
