@@ -26,6 +26,7 @@ class EpProfile:
         (registered with ``register_execution_provider_library``); empty when onnxruntime has it built in.
     precisions: precisions the EP runs, the preferred first.
     provider_options: options written under the provider in genai_config.json.
+    captured_provider_options: further options written when the graph is captured.
     attention_op: the ONNX Runtime contrib op every layer's attention becomes
         (``GROUP_QUERY_ATTENTION``), or ``PLAIN_ATTENTION`` for transformers' MatMul/Softmax.
     attention_op_precisions: the precisions the EP runs ``attention_op`` at (CUDA's
@@ -66,6 +67,7 @@ class EpProfile:
     description: str
     ort_plugin: str = ""
     provider_options: dict[str, str] = field(default_factory=dict)
+    captured_provider_options: dict[str, str] = field(default_factory=dict)
     attention_op: str = PLAIN_ATTENTION
     attention_op_precisions: tuple[str, ...] = ()
     norm_fusions: tuple[str, ...] = ()
@@ -104,6 +106,8 @@ class EpProfile:
         if self.graph_capture_option:
             capture = self.graph_capture if graph_capture is None else graph_capture and self.graph_capture
             options[self.graph_capture_option] = "1" if capture else "0"
+            if capture:
+                options.update(self.captured_provider_options)
         return options
 
     def with_plain_attention(self) -> EpProfile:

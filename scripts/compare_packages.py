@@ -6,8 +6,9 @@ each), so a shared, noisy machine slows them alike.
     python scripts/compare_packages.py ours=out/webgpu mobius=/tmp/mobius-webgpu --ep webgpu --max-length 4096
 
 ``--ep webgpu`` registers the WebGPU plugin with GenAI; each package then runs on the providers
-its own genai_config names (graph capture included). ``--max-length`` sets GenAI's max_length for
-every package (under graph capture it sizes the KV buffers); 0 keeps each package's own.
+its own genai_config names (graph capture included), printed beside the table. ``--max-length``
+sets GenAI's max_length for every package (a package that shares one KV buffer gets one of that
+many slots); 0 keeps each package's own.
 
 Give this exporter's package beside the same checkpoint's package from ONNX Runtime GenAI's model
 builder (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -e cpu -p int4 -c CACHE``) or
@@ -51,11 +52,20 @@ def read_packages(specs: list[str]) -> dict[str, SimpleNamespace]:
         config = folder / "genai_config.json"
         if not config.is_file():
             raise SystemExit(f"error: {folder} is not a package folder (no genai_config.json)")
-        vocab_size = json.loads(config.read_text())["model"]["vocab_size"]
-        packages[name or folder.name] = SimpleNamespace(path=folder, layout=SimpleNamespace(vocab_size=vocab_size))
+        settings = json.loads(config.read_text())
+        packages[name or folder.name] = SimpleNamespace(
+            path=folder, layout=SimpleNamespace(vocab_size=settings["model"]["vocab_size"]), settings=settings)
     if len({p.layout.vocab_size for p in packages.values()}) != 1:
         raise SystemExit("error: the packages have different vocabularies; compare packages of one checkpoint")
     return packages
+
+
+def run_settings(settings: dict) -> str:
+    """What decides how a package runs besides its graph: providers with their options (graph
+    capture among them), and whether GenAI shares one KV buffer of max_length slots."""
+    options = settings["model"]["decoder"].get("session_options", {}).get("provider_options", []) or ["cpu"]
+    shared = settings.get("search", {}).get("past_present_share_buffer", False)
+    return f"providers {json.dumps(options)}, KV buffer of max_length slots: {'yes' if shared else 'no'}"
 
 
 def main() -> None:
@@ -68,6 +78,8 @@ def main() -> None:
         register(get_profile("webgpu"), genai=True)
     results = alternating_generation(packages, args.prompt_length, args.decode_tokens, args.repeats,
                                      search_max_length=args.max_length)
+    for name, package in packages.items():
+        print(f"{name}: {run_settings(package.settings)}")
     first = next(iter(packages))
     length = {None: "", 0: ", each package's own max_length"}.get(args.max_length, f", max_length {args.max_length}")
     print_generation_table(f"ONNX Runtime GenAI, {args.ep} packages, {args.prompt_length}-token prompt, "

@@ -114,7 +114,7 @@ def _runnable() -> list[tuple[str, list[str]]]:
             if program[-1] == "check" and all(word.startswith("-") for word in rest[:1]):
                 continue  # a fragment in prose (`check --ep webgpu`): no package named, options checked above
             if program[-1].endswith("scripts/benchmark.py"):
-                if not (rest and rest[0].startswith("tiny-") and "--graph-capture" not in rest):
+                if not (rest and rest[0].startswith("tiny-") and not {"--graph-capture", "--max-lengths"} & set(rest)):
                     continue  # full-size or WebGPU benchmarks: options checked above
                 runs.append((command, [*program, *rest, "--output", "benchmark.md"]))
             elif program[-1] == "exporter" and rest and rest[0] == "gemma-4-e2b":

@@ -45,7 +45,7 @@ def test_webgpu_profile_states_its_limits_as_data():
     assert webgpu.max_buffer_size == 256 * 2**20
     assert webgpu.graph_capture and webgpu.genai_provider_options()["enableGraphCapture"] == "1"
     assert webgpu.sliding_window == WINDOW_BY_MASK
-    assert webgpu.genai_provider_options(graph_capture=False)["enableGraphCapture"] == "0"
+    assert webgpu.genai_provider_options(graph_capture=False) == {"enableGraphCapture": "0"}  # validation stays
     assert get_profile("cpu").genai_provider_options() == {}
 
 
@@ -78,7 +78,8 @@ def test_genai_config_follows_the_profile(preset_exports):
 
     config = build_genai_config(layout, capped, generation, sections(capped), share_kv_buffer=True)
     assert config["model"]["context_length"] == config["search"]["max_length"] == 64 < layout.context_length
-    assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"webgpu": {"enableGraphCapture": "1"}}]
+    assert config["model"]["decoder"]["session_options"]["provider_options"] == [
+        {"webgpu": {"enableGraphCapture": "1", "validationMode": "disabled"}}]
     assert config["search"]["past_present_share_buffer"] is True
     cuda = build_genai_config(layout, get_profile("cuda"), generation, sections(get_profile("cuda")))
     assert cuda["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]

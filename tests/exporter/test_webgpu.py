@@ -43,7 +43,8 @@ def test_webgpu_package_is_ready_for_graph_capture(webgpu_exports):
     model = ir.load(captured.model_path)
     assert postconditions.cpu_placed_nodes(model) == []
     config = json.loads((captured.path / "genai_config.json").read_text())
-    assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"webgpu": {"enableGraphCapture": "1"}}]
+    assert config["model"]["decoder"]["session_options"]["provider_options"] == [
+        {"webgpu": {"enableGraphCapture": "1", "validationMode": "disabled"}}]
     assert config["search"]["past_present_share_buffer"] is True
     gqa = next(r for r in captured.report.fx_passes if r["name"] == "substitute_group_query_attention")["changes"]
     # Every sliding layer attends over its window's slots; full layers keep GroupQueryAttention.
