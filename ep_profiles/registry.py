@@ -72,9 +72,9 @@ WEBGPU = EpProfile(
     past_present_share_buffer=True,
     graph_capture_option="enableGraphCapture",
     graph_capture=True,
-    # Dawn validates every WebGPU call, a CPU cost per dispatch: off, decode of a captured
-    # tiny-gemma-4 ran 1.63x faster on lavapipe. ONNX Runtime GenAI's model builder writes the same
-    # with graph capture (mobius too); without capture the EP's default stays.
+    # Dawn's validation of every WebGPU call, a CPU cost per dispatch, off for captured graphs as
+    # ONNX Runtime GenAI's model builder (and mobius) write it. Measured on lavapipe, tiny-gemma-4:
+    # no change on an idle machine (0.98x), 1.63x decode while the CPU was busy with other work.
     captured_provider_options={"validationMode": "disabled"},
     # Under graph capture GenAI allocates the KV buffer for max_length slots up front: Gemma 4
     # E2B's own 131072 positions would be 2304 MiB of fp16 KV (72 MiB at 4096). The sliding
