@@ -328,8 +328,8 @@ def benchmark_attention(args) -> None:
 
 
 def benchmark_graph_capture(args) -> None:
-    """The webgpu profile as exported by default (graph capture on) vs --no-graph-capture, both on
-    the WebGPU EP, alternating in one run. On a software adapter (lavapipe) the GPU work is CPU work
+    """The webgpu profile as exported by default (graph capture on, with Dawn's validation off) vs
+    --no-graph-capture (the EP's default validation), both on the WebGPU EP, alternating in one run. On a software adapter (lavapipe) the GPU work is CPU work
     too, so this measures what capture saves on dispatch, not a real GPU's speed."""
     from ep_profiles import get_profile
     from exporter.ep_runtime import register
@@ -347,7 +347,8 @@ def benchmark_graph_capture(args) -> None:
                                        output_dir=Path(scratch) / variant.replace(" ", "-"))
         results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
         print_generation_table(
-            f"WebGPU graph capture, {args.model}, ONNX Runtime GenAI on the WebGPU EP fp32, {length}-token prompt, "
+            f"WebGPU graph capture (with validationMode disabled) vs none, {args.model}, ONNX Runtime GenAI on the "
+            f"WebGPU EP fp32, {length}-token prompt, "
             f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)",
             "variant", packages, results, "capture off", "off", ("ONNX nodes", _nodes))
 

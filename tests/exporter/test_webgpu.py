@@ -63,12 +63,15 @@ def test_webgpu_package_is_ready_for_graph_capture(webgpu_exports):
 
 
 def _is_full_range(node) -> bool:
-    bounds = [ir.convenience.get_const_tensor(value) for value in node.inputs[1:] if value is not None]
-    if any(bound is None for bound in bounds):
+    """A Slice from 0 to INT64_MAX-like ends with step 1 on every axis it names."""
+    data, starts, ends, axes, steps = [*node.inputs, None, None][:5]
+    bounds = [ir.convenience.get_const_tensor(value) for value in (starts, ends)]
+    step = ir.convenience.get_const_tensor(steps) if steps is not None else None
+    if any(bound is None for bound in bounds) or (steps is not None and step is None):
         return False
-    starts, ends, *rest = (bound.numpy().tolist() for bound in bounds)
-    steps = rest[1] if len(rest) > 1 else [1] * len(starts)
-    return all(s == 0 and e >= 2**62 and step == 1 for s, e, step in zip(starts, ends, steps, strict=True))
+    starts, ends = (bound.numpy().tolist() for bound in bounds)
+    steps = step.numpy().tolist() if step is not None else [1] * len(starts)
+    return all(s == 0 and e >= 2**62 and k == 1 for s, e, k in zip(starts, ends, steps, strict=True))
 
 
 @pytest.mark.l1

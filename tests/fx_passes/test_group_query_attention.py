@@ -129,6 +129,9 @@ def test_window_mask_profile_keeps_results(name):
     sliding = changes["sliding_window_layers"]
     assert sliding > 0 and changes["window_mask_layers"] == sliding == targets.count(WINDOWED)
     assert targets.count(WINDOW_SLOTS) == 1  # one window and KV shape: its slots are computed once per step
+    # Sliding owners' GroupQueryAttention only writes the cache: one head per KV head, the key as query.
+    writers = [n for n in program.graph.nodes if n.target is GQA and not any(u.args[1] == 0 for u in n.users)]
+    assert writers and all(n.args[0] is n.args[1] and n.args[6] == n.args[7] for n in writers)
     if name == "tiny-gemma-4":  # queries rotated by ONNX Runtime's RotaryEmbedding, keys by GroupQueryAttention
         assert targets.count(ROTARY) == sliding
         assert changes["rotary_in_attention_layers"] == layout.num_layers
