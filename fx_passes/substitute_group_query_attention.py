@@ -82,6 +82,7 @@ class SubstituteGroupQueryAttention:
         window_by_mask = context.profile.sliding_window == WINDOW_BY_MASK
         # (window, KV heads, head size, query heads per KV head) -> the slots its layers share
         window_slots: dict[tuple[int, int, int, int], tuple[Node, Node]] = {}
+        position_ids = None  # read once, by the first window layer that rotates its queries
         shared = rotated = masked = 0
         for core, window in zip(cores, windows, strict=True):
             key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
@@ -126,7 +127,8 @@ class SubstituteGroupQueryAttention:
                         output = _call(graph, operator.getitem, marker, 0)
                 if mask_window:
                     if caches:  # the window attention takes its queries rotated, by one ONNX Runtime kernel
-                        query = _call(graph, _ROTARY, query, user_input(program, "position_ids"), *caches, heads)
+                        position_ids = position_ids or user_input(program, "position_ids")
+                        query = _call(graph, _ROTARY, query, position_ids, *caches, heads)
                     shape = (window, kv_heads, head, heads // kv_heads)
                     if shape not in window_slots:  # the first such layer's query gives the shape
                         slots = _call(graph, _WINDOW_SLOTS, query, attention_mask, *shape)

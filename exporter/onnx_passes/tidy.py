@@ -12,7 +12,7 @@ from onnx_ir.passes import common
 from onnxscript.rewriter import RewritePass, RewriteRuleSet
 from onnxscript.rewriter.rules.common import collapse_slice_rule
 
-from exporter.onnx_passes.base import run_in_place
+from exporter.onnx_passes.base import count_nodes, run_in_place
 
 
 def _tidy_passes() -> list[ir.passes.PassBase]:
@@ -20,7 +20,7 @@ def _tidy_passes() -> list[ir.passes.PassBase]:
         common.RemoveUnusedNodesPass(),
         common.RemoveUnusedFunctionsPass(),
         common.RemoveUnusedOpsetsPass(),
-        RewritePass(RewriteRuleSet([collapse_slice_rule])),  # a full-range Slice becomes an Identity
+        _FULL_RANGE_SLICES_TO_IDENTITIES,
         common.IdentityEliminationPass(),
         common.CommonSubexpressionEliminationPass(),
         common.RemoveUnusedNodesPass(),
@@ -34,6 +34,9 @@ def _tidy_passes() -> list[ir.passes.PassBase]:
     ]
 
 
+_FULL_RANGE_SLICES_TO_IDENTITIES = RewritePass(RewriteRuleSet([collapse_slice_rule]))
+
+
 class Tidy:
     name = "tidy"
 
@@ -41,6 +44,8 @@ class Tidy:
         return "lowering and folding leave dead nodes, duplicates and provenance metadata"
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+        slices = count_nodes(model, "Slice")
         for ir_pass in _tidy_passes():
             run_in_place(ir_pass, model)
-        return {"initializers": len(model.graph.initializers)}
+        return {"initializers": len(model.graph.initializers),
+                "full_range_slices_removed": slices - count_nodes(model, "Slice")}

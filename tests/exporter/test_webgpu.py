@@ -55,6 +55,7 @@ def test_webgpu_package_is_ready_for_graph_capture(webgpu_exports):
     assert captured.report.op_counts["CumSum"] == 2  # the slots' two counts, once
     full_slices = [n for n in model.graph if n.op_type == "Slice" and _is_full_range(n)]
     assert full_slices == []
+    assert captured.report.onnx_pass_changes("tidy")["full_range_slices_removed"] >= 2 * captured.layout.num_layers
     # Without graph capture the shape arithmetic stays (the CPU may run it).
     assert postconditions.cpu_placed_nodes(ir.load(uncaptured.model_path))
     uncaptured_config = json.loads((uncaptured.path / "genai_config.json").read_text())
