@@ -3,6 +3,9 @@
 ``torch.onnx.export(..., optimize=False)``: its default optimizer runs onnxscript's rewrite rules,
 whose cost grows with the square of the node count (most of 81 s at 35 layers); the chosen pass
 list in ``exporter.onnx_passes`` runs instead.
+
+torch.onnx's first step decomposes the program into ops it translates by re-tracing it; a traced
+decoder needs none of it once ``exporter.translation_ready`` has prepared it, so it is skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import onnx_ir as ir
 import torch
 from torch.export import ExportedProgram
 
+from exporter import translation_ready
 from fx_passes.markers import ONNX_TRANSLATIONS
 
 OPSET = 21
@@ -29,8 +33,12 @@ _DIM_NAMES = {
 }
 
 
-def lower(program: ExportedProgram, sample_inputs: tuple, input_names: list[str], output_names: list[str]) -> ir.Model:
-    with _quiet_torch_onnx():
+def lower(program: ExportedProgram, sample_inputs: tuple, input_names: list[str],
+          output_names: list[str]) -> tuple[ir.Model, str | None]:
+    """The ONNX model, and why torch.onnx had to re-trace the program to decompose it (None where
+    it did not)."""
+    decomposed_because: list[str] = []
+    with _quiet_torch_onnx(), _decomposition_skipped_when_ready(decomposed_because):
         onnx_program = torch.onnx.export(
             program,
             sample_inputs,
@@ -43,7 +51,7 @@ def lower(program: ExportedProgram, sample_inputs: tuple, input_names: list[str]
         )
     model = onnx_program.model
     _name_graph_io(model, input_names, output_names)
-    return model
+    return model, (decomposed_because[0] if decomposed_because else None)
 
 
 def _name_graph_io(model: ir.Model, wanted_inputs: list[str], wanted_outputs: list[str]) -> None:
@@ -78,6 +86,28 @@ def _name_graph_io(model: ir.Model, wanted_inputs: list[str], wanted_outputs: li
 
     for value in [*graph.inputs, *graph.outputs]:
         value.shape = renamed(value.shape)
+
+
+@contextlib.contextmanager
+def _decomposition_skipped_when_ready(decomposed_because: list[str]):
+    """torch.onnx's decomposition step, skipped for a program ``translation_ready`` readies.
+    torch.onnx has no option for this, so its step function is wrapped for the call."""
+    from torch.onnx._internal.exporter import _decomp, _fx_passes
+
+    decompose = _fx_passes.decompose_with_registry
+
+    def decompose_unless_ready(program: ExportedProgram, registry):
+        reason = translation_ready.prepare(program, set(_decomp.get_onnx_implemented_overloads(registry)))
+        if reason is None:
+            return program
+        decomposed_because.append(reason)
+        return decompose(program, registry)
+
+    _fx_passes.decompose_with_registry = decompose_unless_ready
+    try:
+        yield
+    finally:
+        _fx_passes.decompose_with_registry = decompose
 
 
 @contextlib.contextmanager

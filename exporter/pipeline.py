@@ -260,7 +260,10 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
         with stages.stage(_stage("graph_cache", session, settings)):
             onnx_model = lowered.model()
     else:
-        lowered, onnx_model = _lower_session(session, session_plan, prepared, settings, stages)
+        lowered, onnx_model, decomposed_because = _lower_session(session, session_plan, prepared, settings, stages)
+        if decomposed_because:
+            report.notes.append(f"lowering {session.name}: torch.onnx re-traced the graph to decompose it, "
+                                f"which a traced decoder usually skips ({decomposed_because}); the export took longer")
         if cached_graphs is not None:
             with stages.stage(_stage("graph_cache", session, settings)):
                 _write_to_cache(cached_graphs, session.name, lowered, report)
@@ -279,20 +282,21 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
 
 def _lower_session(session, session_plan, prepared, settings: ExportSettings, stages: StageLog):
     """Trace -> FX passes -> lower; the graph is serialized with its weights as placeholders and
-    read back, so that the steps after it see the graph a cache would give."""
+    read back, so that the steps after it see the graph a cache would give. Also returns why
+    lowering had to re-trace, if it did."""
     with stages.stage(_stage("trace", session, settings)):
         traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
     with stages.stage(_stage("fx_passes", session, settings)):
         program, fx_records = _run_fx_passes(traced.program, session_plan, settings, session)
         _with_plain_attention_layers(settings, session, fx_records)  # a captured export stops here, not after lowering
     with stages.stage(_stage("lower", session, settings)):
-        onnx_model = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
-                               session.input_names(settings), session.output_names(settings))
+        onnx_model, decomposed_because = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
+                                                   session.input_names(settings), session.output_names(settings))
         names = weights.tensor_names(traced.module, prepared.model)
         del program, traced
         recipes = weights.detach(onnx_model, prepared.saved_shapes, names, real_weights=prepared.weights_in_model)
         lowered = graph_cache.LoweredSession.of(onnx_model, recipes, fx_records)
-        return lowered, lowered.model()
+        return lowered, lowered.model(), decomposed_because
 
 
 def _graph_cache(folder: Path | None, turned_off: bool, prepared, settings: ExportSettings, plan: ExportPlan,

@@ -101,4 +101,19 @@ def run_fx_passes(
         start = time.perf_counter()
         program, changes = fx_pass(program, context)
         records.append(PassRecord(fx_pass.name, dict(changes), time.perf_counter() - start))
+    _outputs_named_as_in_graph(program)
     return program, records
+
+
+def _outputs_named_as_in_graph(program: ExportedProgram) -> None:
+    """Point the signature's outputs at the nodes the graph now returns: a pass that replaces an
+    output's producer (a present KV now written by GroupQueryAttention) renames it, and lowering
+    reads outputs by name."""
+    output = next(n for n in reversed(program.graph.nodes) if n.op == "output")
+    returned = output.args[0]
+    specs = program.graph_signature.output_specs
+    if len(returned) != len(specs):
+        raise RuntimeError(f"the graph returns {len(returned)} values, its signature {len(specs)}")
+    for spec, node in zip(specs, returned, strict=True):
+        if isinstance(spec.arg, TensorArgument) and isinstance(node, torch.fx.Node):
+            spec.arg = TensorArgument(name=node.name)

@@ -79,7 +79,7 @@ def sessions(tmp_path_factory):
             program = torch.export.export(WindowAttention(kv_heads, softcap), sample, dynamic_shapes=(
                 {0: batch, 1: seq}, {0: batch, 2: slots}, {0: batch, 2: slots}, {0: batch, 1: total}))
             path = folder / f"{kv_heads}-{softcap}-{dtype}.onnx"
-            model = lower(program, sample, ["query", "key_buffer", "value_buffer", "attention_mask"], ["output"])
+            model, _ = lower(program, sample, ["query", "key_buffer", "value_buffer", "attention_mask"], ["output"])
             ir.save(model, path)
             session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
             made[kv_heads, softcap, dtype] = session, [node.op_type for node in model.graph]
