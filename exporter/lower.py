@@ -5,7 +5,7 @@ whose cost grows with the square of the node count (most of 81 s at 35 layers); 
 list in ``exporter.onnx_passes`` runs instead.
 
 torch.onnx's first step decomposes the program into ops it translates by re-tracing it; a traced
-decoder needs none of it once ``exporter.translation_ready`` has prepared it, so it is skipped.
+decoder needs none of it once ``exporter.translation_ready`` has rewritten it, so it is skipped.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _DIM_NAMES = {
 def lower(program: ExportedProgram, sample_inputs: tuple, input_names: list[str],
           output_names: list[str]) -> tuple[ir.Model, str | None]:
     """The ONNX model, and why torch.onnx had to re-trace the program to decompose it (None where
-    it did not)."""
+    it did not). ``program`` is rewritten in place (``translation_ready``): lower it once."""
     decomposed_because: list[str] = []
     with _quiet_torch_onnx(), _decomposition_skipped_when_ready(decomposed_because):
         onnx_program = torch.onnx.export(
@@ -90,14 +90,14 @@ def _name_graph_io(model: ir.Model, wanted_inputs: list[str], wanted_outputs: li
 
 @contextlib.contextmanager
 def _decomposition_skipped_when_ready(decomposed_because: list[str]):
-    """torch.onnx's decomposition step, skipped for a program ``translation_ready`` readies.
+    """torch.onnx's decomposition step, skipped for a program ``translation_ready`` makes ready.
     torch.onnx has no option for this, so its step function is wrapped for the call."""
     from torch.onnx._internal.exporter import _decomp, _fx_passes
 
     decompose = _fx_passes.decompose_with_registry
 
     def decompose_unless_ready(program: ExportedProgram, registry):
-        reason = translation_ready.prepare(program, set(_decomp.get_onnx_implemented_overloads(registry)))
+        reason = translation_ready.ready_for_translation(program, set(_decomp.get_onnx_implemented_overloads(registry)))
         if reason is None:
             return program
         decomposed_because.append(reason)

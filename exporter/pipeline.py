@@ -262,8 +262,8 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
     else:
         lowered, onnx_model, decomposed_because = _lower_session(session, session_plan, prepared, settings, stages)
         if decomposed_because:
-            report.notes.append(f"lowering {session.name}: torch.onnx re-traced the graph to decompose it, "
-                                f"which a traced decoder usually skips ({decomposed_because}); the export took longer")
+            report.notes.append(f"lowering {session.name}: torch.onnx re-traced the graph to decompose it "
+                                f"({decomposed_because}), which took longer")
         if cached_graphs is not None:
             with stages.stage(_stage("graph_cache", session, settings)):
                 _write_to_cache(cached_graphs, session.name, lowered, report)

@@ -1,20 +1,22 @@
 """Make an FX-passed program what torch.onnx's decomposition step would give it, without that
 step's re-trace of the whole graph (12 of 16.5 s lowering a 35-layer Gemma 4).
 
-A traced decoder already holds only ops torch.onnx translates, but for three things the re-trace
+A traced decoder already holds only ops torch.onnx translates, but for a few things the re-trace
 fixed as a side effect, done here directly:
 - values: FX passes change shapes upstream (the last-token passes turn a layer's sequence into one
-  token) without re-running what follows; every node's fake value is recomputed, in graph order
-  (2.5 s at 35 layers);
+  token) without re-running what follows; every call node's fake value is recomputed, in graph
+  order (2.5 s at 35 layers);
 - in-place arithmetic on fresh tensors (Gemma 4's ``hidden_states *= layer_scalar``) becomes its
-  functional twin where nothing can see the mutation;
+  functional twin where nothing can see the mutation and the dtype stays;
+- ``.to()`` that keeps the dtype goes, one that changes it becomes ``_to_copy``; ``&`` and ``|``
+  become ``bitwise_and`` / ``bitwise_or``;
 - reshapes (``flatten``, ``unflatten``, ``reshape``) become views whose symbolic sizes read the
   nodes that compute them, as the decomposition writes them (torch.onnx's own ``flatten`` reads
   ``Shape`` per node).
 
-``prepare`` says why the program is not ready where it is not (an op torch.onnx cannot translate,
-a node whose value cannot be recomputed, control flow); lowering then keeps torch.onnx's
-decomposition.
+``ready_for_translation`` checks everything first and rewrites only when all of it applies;
+otherwise it says why and leaves the graph as it was (fake values aside), and lowering keeps
+torch.onnx's decomposition.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate
 
-from fx_passes.base import program_fake_mode
+from fx_passes.base import outputs_named_as_in_graph, program_fake_mode
 
 _aten = torch.ops.aten
 _RESHAPES = (_aten.flatten.using_ints, _aten.unflatten.int, _aten.reshape.default)
@@ -36,61 +38,82 @@ _TWINS = {_aten.__and__.Tensor: _aten.bitwise_and.Tensor, _aten.__or__.Tensor: _
 # Checks torch.onnx erases after its decomposition step.
 _ASSERTIONS = (_aten._assert_scalar.default, _aten._assert_async.default, _aten._assert_async.msg,
                _aten._assert_tensor_metadata.default, _aten.sym_constrain_range_for_size.default)
-_HANDLED_HERE = {*_RESHAPES, *_CONVERSIONS, *_TWINS, *_ASSERTIONS}
+_REWRITTEN_OR_ERASED = {*_RESHAPES, *_CONVERSIONS, *_TWINS, *_ASSERTIONS}
 
 
-def prepare(program: ExportedProgram, translated: set) -> str | None:
-    """Rewrite ``program`` in place; None where every node is then in ``translated`` (torch.onnx's
-    registry) and the decomposition can be skipped, else why not (the program is then left as the
-    decomposition can take it)."""
+def ready_for_translation(program: ExportedProgram, translated: set) -> str | None:
+    """Rewrite ``program`` in place so that torch.onnx can translate it without its decomposition
+    (every op then in ``translated``, its registry) and return None; or return why not, with
+    nothing rewritten."""
     modules = [m for m in program.graph_module.modules() if isinstance(m, GraphModule)]
     if len(modules) != 1:
         return "the graph has subgraphs (control flow)"
     graph_module = modules[0]
-    functionalize_in_place_arithmetic(graph_module)
-    untranslated = sorted({str(node.target) for node in graph_module.graph.nodes if node.op == "call_function"
-                           and node.target not in translated and node.target not in _HANDLED_HERE})
+    graph = graph_module.graph
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    in_place = [n for n in graph.nodes if n.op == "call_function" and _functional_twin(n.target) is not None
+                and _mutation_unobserved(n, order)]
+    untranslated = sorted({_op_name(node.target) for node in graph.nodes if node.op == "call_function"
+                           and node.target not in translated and node.target not in _REWRITTEN_OR_ERASED
+                           and node not in in_place})
     if untranslated:
         return f"torch.onnx translates no {', '.join(untranslated)}"
     if failed := refresh_fake_values(graph_module):
         return failed
-    conversions_as_copies(graph_module)
-    for node in graph_module.graph.nodes:
+    twins = {}
+    with program_fake_mode(graph):
+        for node in in_place:
+            twin = _functional_twin(node.target)
+            value = twin(*map_aggregate(node.args, _value), **map_aggregate(node.kwargs, _value))
+            if value.dtype != node.meta["val"].dtype:  # the in-place op kept its input's dtype
+                return f"{node.target} would change dtype as {twin}"
+            twins[node] = twin, value
+    views = _views_of_reshapes(graph, order)
+    if isinstance(views, str):
+        return views
+    for node, (twin, value) in twins.items():
+        node.target, node.meta["val"] = twin, value
+    for node in graph.nodes:
         if node.op == "call_function" and node.target in _TWINS:
             node.target = _TWINS[node.target]
-    failed = reshapes_as_views(graph_module)
+    _conversions_as_copies(graph)
+    _write_views(graph, views)
+    outputs_named_as_in_graph(program)  # a removed ``.to()`` may have been an output
     graph_module.recompile()
-    return failed
+    return None
 
 
 def refresh_fake_values(graph_module: GraphModule) -> str | None:
     """Recompute every call node's fake value from its inputs', in graph order, in the mode the
     program was traced in; where one cannot be, all are left as they were and the reason is
     returned."""
-    fake_mode = program_fake_mode(graph_module.graph)
     nodes = [n for n in graph_module.graph.nodes if n.op == "call_function"]
-    before = {node: node.meta.get("val") for node in nodes}
-
-    def value(argument):
-        return argument.meta["val"] if isinstance(argument, Node) else argument
-
-    with fake_mode:
+    before = {node: node.meta["val"] for node in nodes if "val" in node.meta}
+    with program_fake_mode(graph_module.graph):
         for node in nodes:
             try:
-                node.meta["val"] = node.target(*map_aggregate(node.args, value), **map_aggregate(node.kwargs, value))
+                node.meta["val"] = node.target(*map_aggregate(node.args, _value), **map_aggregate(node.kwargs, _value))
             except Exception as error:  # e.g. an op without a fake kernel: the re-trace will say more
-                for done, old in before.items():
-                    done.meta["val"] = old
+                for done in nodes:
+                    done.meta.pop("val", None)
+                    if done in before:
+                        done.meta["val"] = before[done]
                 return f"{node.target}'s value could not be recomputed ({type(error).__name__})"
     return None
 
 
-def conversions_as_copies(graph_module: GraphModule) -> int:
+def _op_name(target) -> str:
+    """``aten.mul_.Tensor``, or a Python function's name (its repr holds an address)."""
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+def _value(argument):
+    return argument.meta["val"] if isinstance(argument, Node) else argument
+
+
+def _conversions_as_copies(graph: torch.fx.Graph) -> None:
     """``x.to(...)``: gone where the dtype stays (the device is the exporter's choice, not the
-    graph's), else ``_to_copy`` to the new dtype, as the decomposition writes it. Returns how many
-    were rewritten."""
-    graph = graph_module.graph
-    rewritten = 0
+    graph's), else ``_to_copy`` to the new dtype, as the decomposition writes it."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _CONVERSIONS:
             continue
@@ -104,67 +127,57 @@ def conversions_as_copies(graph_module: GraphModule) -> int:
             graph.erase_node(node)
         else:
             node.target, node.args, node.kwargs = _aten._to_copy.default, (source,), {"dtype": dtype}
-        rewritten += 1
-    return rewritten
 
 
-def functionalize_in_place_arithmetic(graph_module: GraphModule) -> int:
-    """``x.mul_(y)`` -> ``mul(x, y)`` where nothing else can see ``x`` change: ``x`` is a fresh
-    (non-aliasing) result whose other users all run before and alias nothing. Returns how many."""
-    order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
-    rewritten = 0
-    for node in graph_module.graph.nodes:
-        twin = _functional_twin(node.target) if node.op == "call_function" else None
-        if twin is not None and _mutation_unobserved(node, order):
-            node.target = twin
-            rewritten += 1
-    if rewritten:
-        graph_module.recompile()
-    return rewritten
-
-
-def reshapes_as_views(graph_module: GraphModule) -> str | None:
-    """``flatten`` / ``unflatten`` / ``reshape`` -> ``view`` to their output shape, each symbolic
-    size read from the node that already computes it or from a graph input's dimension, as the
-    decomposition writes them. Where some size is neither (a product of sizes), nothing is
-    rewritten and the reason is returned: the decomposition computes it in its own way."""
-    graph = graph_module.graph
-    order = {node: index for index, node in enumerate(graph.nodes)}
+def _views_of_reshapes(graph: torch.fx.Graph, order: dict) -> dict | str:
+    """For each ``flatten`` / ``unflatten`` / ``reshape``, the sizes of the view to its output
+    shape: each symbolic size is the node that already computes it, or a graph input's
+    (placeholder, axis). Where some size is neither (a product of sizes), why not: the
+    decomposition computes it in its own way."""
     size_nodes: dict = {}
     for node in graph.nodes:
         value = node.meta.get("val")
         if isinstance(value, torch.SymInt):
             size_nodes.setdefault(value.node.expr, node)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     input_dims: dict = {}
-    for node in placeholders:
-        for axis, size in enumerate(getattr(node.meta.get("val"), "shape", ())):
-            if isinstance(size, torch.SymInt):
-                input_dims.setdefault(size.node.expr, (node, axis, size))
-    reshapes = [n for n in graph.nodes if n.op == "call_function" and n.target in _RESHAPES]
-    for node in reshapes:
-        for size in node.meta["val"].shape:
-            expr = size.node.expr if isinstance(size, torch.SymInt) else None
-            known = size_nodes.get(expr)
-            if expr is not None and expr not in input_dims and (known is None or order[known] > order[node]):
-                return f"{node.target} to a size no node computes ({expr})"
-    made: dict = {}
-    for node in reshapes:
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            for axis, size in enumerate(getattr(node.meta.get("val"), "shape", ())):
+                if isinstance(size, torch.SymInt):
+                    input_dims.setdefault(size.node.expr, (node, axis))
+    views = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _RESHAPES:
+            continue
         sizes: list = []
         for size in node.meta["val"].shape:
             if not isinstance(size, torch.SymInt):
                 sizes.append(int(size))
                 continue
-            expr = size.node.expr
-            known = size_nodes.get(expr)
-            if known is None or order[known] > order[node]:
-                if expr not in made:
-                    placeholder, axis, value = input_dims[expr]
-                    with graph.inserting_after(placeholders[-1]):
-                        made[expr] = graph.call_function(_aten.sym_size.int, (placeholder, axis))
-                    made[expr].meta["val"] = value
-                known = made[expr]
-            sizes.append(known)
+            known = size_nodes.get(size.node.expr)
+            if known is not None and order[known] < order[node]:
+                sizes.append(known)
+            elif size.node.expr in input_dims:
+                sizes.append(input_dims[size.node.expr])
+            else:
+                return f"{node.target} to a size no node computes ({size.node.expr})"
+        views[node] = sizes
+    return views
+
+
+def _write_views(graph: torch.fx.Graph, views: dict) -> None:
+    """Each reshape -> ``view`` of a contiguous copy to its sizes; the input dimensions a size
+    reads become ``sym_size`` nodes right after the graph's inputs."""
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    made: dict = {}
+    for node, sizes in views.items():
+        for index, size in enumerate(sizes):
+            if isinstance(size, tuple):
+                if size not in made:
+                    with graph.inserting_after(last_input):
+                        made[size] = graph.call_function(_aten.sym_size.int, size)
+                    made[size].meta["val"] = size[0].meta["val"].shape[size[1]]
+                sizes[index] = made[size]
         # A view needs a contiguous source in torch, and whether a fake value is contiguous can
         # differ between dispatch modes (CPU attention's output): a contiguous copy makes it so
         # in any. It lowers to an Identity, which the ONNX passes remove.
@@ -173,7 +186,6 @@ def reshapes_as_views(graph_module: GraphModule) -> str | None:
                                          {"memory_format": torch.contiguous_format})
         source.meta["val"] = node.args[0].meta["val"].clone(memory_format=torch.contiguous_format)
         node.target, node.args, node.kwargs = _aten.view.default, (source, sizes), {}
-    return None
 
 
 def _functional_twin(target) -> torch._ops.OpOverload | None:

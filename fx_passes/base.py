@@ -101,11 +101,11 @@ def run_fx_passes(
         start = time.perf_counter()
         program, changes = fx_pass(program, context)
         records.append(PassRecord(fx_pass.name, dict(changes), time.perf_counter() - start))
-    _outputs_named_as_in_graph(program)
+    outputs_named_as_in_graph(program)
     return program, records
 
 
-def _outputs_named_as_in_graph(program: ExportedProgram) -> None:
+def outputs_named_as_in_graph(program: ExportedProgram) -> None:
     """Point the signature's outputs at the nodes the graph now returns: a pass that replaces an
     output's producer (a present KV now written by GroupQueryAttention) renames it, and lowering
     reads outputs by name."""

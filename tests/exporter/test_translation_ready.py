@@ -6,10 +6,14 @@ from __future__ import annotations
 import re
 
 import onnx
+import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 import torch
+from torch.onnx._internal.exporter import _decomp, _registration
 
 from exporter import export, translation_ready
+from exporter.lower import lower
 
 
 def _canonical(path) -> tuple:
@@ -44,7 +48,7 @@ def test_the_package_without_the_retrace_is_the_retraced_package(name, ep, tmp_p
     graph, and the same weights file."""
     skipped = export(name, ep=ep, output_dir=tmp_path / "skipped", cache=False)
     assert not [note for note in skipped.report.notes if "re-traced" in note]
-    monkeypatch.setattr(translation_ready, "prepare", lambda program, translated: "the test's reference")
+    monkeypatch.setattr(translation_ready, "ready_for_translation", lambda program, translated: "the test's reference")
     retraced = export(name, ep=ep, output_dir=tmp_path / "retraced", cache=False)
     assert [note for note in retraced.report.notes if "re-traced" in note]
     assert _canonical(skipped.model_path) == _canonical(retraced.model_path)
@@ -67,6 +71,30 @@ class _ViewReadAfterScaling(torch.nn.Module):
         return first_row + 1
 
 
+class _ScaledByWiderDtype(torch.nn.Module):
+    def forward(self, a, scale):
+        x = a + a
+        x.mul_(scale)  # fp16 *= fp32 stays fp16; x * scale would be fp32
+        return x + 1
+
+
+class _Flatten(torch.nn.Module):
+    def forward(self, x):
+        return x.flatten(1, 2) * 2
+
+
+class _ScaledFlattenAll(torch.nn.Module):
+    def forward(self, x):
+        y = x + 1
+        y.mul_(2)
+        return y.reshape(-1)
+
+
+class _AsFloat(torch.nn.Module):
+    def forward(self, a, b):
+        return (a + b).float()  # already float32: the conversion is the graph's output
+
+
 def _exported(module, *inputs, dynamic_shapes=None):
     return torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
 
@@ -75,57 +103,73 @@ def _targets(program) -> list:
     return [n.target for n in program.graph.nodes if n.op == "call_function"]
 
 
+def _ready(program) -> str | None:
+    return translation_ready.ready_for_translation(program, set(_decomp.get_onnx_implemented_overloads(
+        _registration.ONNXRegistry.from_torchlib())))
+
+
+def _onnx_outputs(program, inputs, names) -> list:
+    model, decomposed_because = lower(program, inputs, names, ["output"])
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return decomposed_because, session.run(None, {n: x.numpy() for n, x in zip(names, inputs, strict=True)})
+
+
 @pytest.mark.l1
 def test_in_place_arithmetic_on_a_fresh_value_becomes_functional():
     inputs = (torch.randn(2, 3), torch.randn(2, 3))
     program = _exported(_ScaledSum(), *inputs)
     assert torch.ops.aten.mul_.Tensor in _targets(program)
-    assert translation_ready.functionalize_in_place_arithmetic(program.graph_module) == 1
+    assert _ready(program) is None
     assert _targets(program) == [torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor]
     torch.testing.assert_close(program.graph_module(*inputs)[0], _ScaledSum()(*inputs))
 
 
 @pytest.mark.l1
-def test_in_place_arithmetic_seen_through_a_view_stays():
-    program = _exported(_ViewReadAfterScaling(), torch.randn(2, 3), torch.randn(2, 3))
-    assert translation_ready.functionalize_in_place_arithmetic(program.graph_module) == 0
-    assert torch.ops.aten.mul_.Tensor in _targets(program)
-
-
-class _Flatten(torch.nn.Module):
-    def forward(self, x):
-        return x.flatten(1, 2) * 2
-
-
-class _FlattenAll(torch.nn.Module):
-    def forward(self, x):
-        return x.reshape(-1) * 2
+@pytest.mark.parametrize(("module", "inputs", "reason"), [
+    (_ViewReadAfterScaling(), (torch.randn(2, 3), torch.randn(2, 3)), "translates no aten.mul_.Tensor"),
+    (_ScaledByWiderDtype(), (torch.randn(2, 3).half(), torch.randn(3)), "would change dtype"),
+], ids=["seen-through-a-view", "dtype-promoting"])
+def test_in_place_arithmetic_that_a_twin_would_change_keeps_the_decomposition(module, inputs, reason):
+    program = _exported(module, *inputs)
+    targets = _targets(program)
+    assert reason in _ready(program)
+    assert _targets(program) == targets
 
 
 @pytest.mark.l1
 def test_reshapes_become_views_reading_the_input_dimensions():
-    x = torch.randn(3, 4, 5)
-    program = _exported(_Flatten(), x, dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
-    assert translation_ready.reshapes_as_views(program.graph_module) is None
+    program = _exported(_Flatten(), torch.randn(3, 4, 5), dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
+    assert _ready(program) is None
     (view,) = [n for n in program.graph.nodes if n.target is torch.ops.aten.view.default]
     batch, width = view.args[1]
     assert batch.target is torch.ops.aten.sym_size.int and batch.args[1] == 0 and width == 20
     assert view.args[0].target is torch.ops.aten.clone.default
-    program.graph_module.graph.lint()
+    program.graph.lint()
     for rows in (1, 3, 7):
         x = torch.randn(rows, 4, 5)
         torch.testing.assert_close(program.graph_module(x)[0], _Flatten()(x))
 
 
-@pytest.mark.l1
-def test_a_reshape_to_a_product_of_sizes_keeps_the_decomposition():
-    program = _exported(_FlattenAll(), torch.randn(3, 4),
-                        dynamic_shapes=({0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},))
-    reason = translation_ready.reshapes_as_views(program.graph_module)
-    assert reason is not None and "no node computes" in reason
-    assert torch.ops.aten.view.default not in _targets(program)
+@pytest.mark.l3
+def test_a_reshape_to_a_product_of_sizes_keeps_the_decomposition_and_nothing_is_rewritten():
+    x = torch.randn(3, 4)
+    program = _exported(_ScaledFlattenAll(), x, dynamic_shapes=({0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},))
+    targets = _targets(program)
+    reason = _ready(program)
+    assert "no node computes" in reason and _targets(program) == targets  # the in-place op too
+    decomposed_because, (got,) = _onnx_outputs(program, (x,), ["x"])
+    assert decomposed_because == reason
+    torch.testing.assert_close(torch.from_numpy(got), _ScaledFlattenAll()(x))
 
 
+@pytest.mark.l3
+def test_a_dtype_keeping_conversion_that_is_an_output_goes():
+    inputs = (torch.randn(2, 3), torch.randn(2, 3))
+    program = _exported(_AsFloat(), *inputs)
+    decomposed_because, (got,) = _onnx_outputs(program, inputs, ["a", "b"])
+    assert decomposed_because is None
+    assert torch.ops.aten.to.dtype not in _targets(program)
+    torch.testing.assert_close(torch.from_numpy(got), _AsFloat()(*inputs))
 def _raises_without_real_values(x):
     raise RuntimeError("needs real values")
 
