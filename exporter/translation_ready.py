@@ -64,9 +64,13 @@ def ready_for_translation(program: ExportedProgram, translated: set) -> str | No
     with program_fake_mode(graph):
         for node in in_place:
             twin = _functional_twin(node.target)
-            value = twin(*map_aggregate(node.args, _value), **map_aggregate(node.kwargs, _value))
-            if value.dtype != node.meta["val"].dtype:  # the in-place op kept its input's dtype
-                return f"{node.target} would change dtype as {twin}"
+            try:
+                value = twin(*map_aggregate(node.args, _value), **map_aggregate(node.kwargs, _value))
+            except Exception as error:
+                return f"{twin} could not run ({type(error).__name__})"
+            kept = node.meta["val"]  # the in-place op keeps its input's dtype and shape
+            if twin not in translated or value.dtype != kept.dtype or tuple(value.shape) != tuple(kept.shape):
+                return f"{node.target} has no translated twin of the same dtype and shape"
             twins[node] = twin, value
     views = _views_of_reshapes(graph, order)
     if isinstance(views, str):
@@ -91,20 +95,27 @@ def refresh_fake_values(graph_module: GraphModule) -> str | None:
     before = {node: node.meta["val"] for node in nodes if "val" in node.meta}
     with program_fake_mode(graph_module.graph):
         for node in nodes:
+            args = map_aggregate(node.args, _value)
+            if _mutates(node.target) and args and isinstance(args[0], torch.Tensor):
+                args = (args[0].clone(), *args[1:])  # leave the input's recorded value as it is
             try:
-                node.meta["val"] = node.target(*map_aggregate(node.args, _value), **map_aggregate(node.kwargs, _value))
+                node.meta["val"] = node.target(*args, **map_aggregate(node.kwargs, _value))
             except Exception as error:  # e.g. an op without a fake kernel: the re-trace will say more
                 for done in nodes:
                     done.meta.pop("val", None)
                     if done in before:
                         done.meta["val"] = before[done]
-                return f"{node.target}'s value could not be recomputed ({type(error).__name__})"
+                return f"{_op_name(node.target)}'s value could not be recomputed ({type(error).__name__})"
     return None
 
 
 def _op_name(target) -> str:
     """``aten.mul_.Tensor``, or a Python function's name (its repr holds an address)."""
     return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+def _mutates(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
 def _value(argument):
@@ -168,12 +179,12 @@ def _views_of_reshapes(graph: torch.fx.Graph, order: dict) -> dict | str:
 def _write_views(graph: torch.fx.Graph, views: dict) -> None:
     """Each reshape -> ``view`` of a contiguous copy to its sizes; the input dimensions a size
     reads become ``sym_size`` nodes right after the graph's inputs."""
-    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
     made: dict = {}
     for node, sizes in views.items():
         for index, size in enumerate(sizes):
-            if isinstance(size, tuple):
+            if isinstance(size, tuple):  # (placeholder, axis)
                 if size not in made:
+                    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
                     with graph.inserting_after(last_input):
                         made[size] = graph.call_function(_aten.sym_size.int, size)
                     made[size].meta["val"] = size[0].meta["val"].shape[size[1]]

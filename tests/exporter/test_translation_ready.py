@@ -78,6 +78,14 @@ class _ScaledByWiderDtype(torch.nn.Module):
         return x + 1
 
 
+class _UnsqueezedInPlace(torch.nn.Module):
+    def forward(self, a, b):
+        x = a + b
+        kept = x * 3
+        x.unsqueeze_(0)
+        return x * 2, kept
+
+
 class _Flatten(torch.nn.Module):
     def forward(self, x):
         return x.flatten(1, 2) * 2
@@ -125,15 +133,29 @@ def test_in_place_arithmetic_on_a_fresh_value_becomes_functional():
 
 
 @pytest.mark.l1
+def test_an_in_place_view_becomes_functional_and_its_input_keeps_its_value():
+    inputs = (torch.randn(2, 3), torch.randn(2, 3))
+    program = _exported(_UnsqueezedInPlace(), *inputs)
+    assert _ready(program) is None
+    assert torch.ops.aten.unsqueeze.default in _targets(program)
+    (added,) = [n for n in program.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    assert tuple(added.meta["val"].shape) == (2, 3)  # not the shape the in-place op gave it
+    for got, want in zip(program.graph_module(*inputs), _UnsqueezedInPlace()(*inputs), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.l1
 @pytest.mark.parametrize(("module", "inputs", "reason"), [
     (_ViewReadAfterScaling(), (torch.randn(2, 3), torch.randn(2, 3)), "translates no aten.mul_.Tensor"),
-    (_ScaledByWiderDtype(), (torch.randn(2, 3).half(), torch.randn(3)), "would change dtype"),
+    (_ScaledByWiderDtype(), (torch.randn(2, 3).half(), torch.randn(3)), "no translated twin of the same dtype"),
 ], ids=["seen-through-a-view", "dtype-promoting"])
 def test_in_place_arithmetic_that_a_twin_would_change_keeps_the_decomposition(module, inputs, reason):
     program = _exported(module, *inputs)
     targets = _targets(program)
+    shapes = [tuple(n.meta["val"].shape) for n in program.graph.nodes if n.op == "call_function"]
     assert reason in _ready(program)
     assert _targets(program) == targets
+    assert [tuple(n.meta["val"].shape) for n in program.graph.nodes if n.op == "call_function"] == shapes
 
 
 @pytest.mark.l1
@@ -170,6 +192,8 @@ def test_a_dtype_keeping_conversion_that_is_an_output_goes():
     assert decomposed_because is None
     assert torch.ops.aten.to.dtype not in _targets(program)
     torch.testing.assert_close(torch.from_numpy(got), _AsFloat()(*inputs))
+
+
 def _raises_without_real_values(x):
     raise RuntimeError("needs real values")
 
@@ -182,7 +206,10 @@ def test_a_value_that_cannot_be_recomputed_leaves_every_value_as_it_was():
     with graph.inserting_before(output):
         stray = graph.call_function(_raises_without_real_values, (output.args[0][0],))
     stray.meta["val"] = "as it was"
+    unvalued = next(n for n in graph.nodes if n.op == "call_function" and n is not stray)
+    del unvalued.meta["val"]
     values = {n: n.meta.get("val") for n in graph.nodes}
     reason = translation_ready.refresh_fake_values(program.graph_module)
-    assert reason is not None and "_raises_without_real_values" in reason and "RuntimeError" in reason
+    assert reason == "_raises_without_real_values's value could not be recomputed (RuntimeError)"
     assert all(n.meta.get("val") is values[n] for n in graph.nodes)
+    assert "val" not in unvalued.meta
