@@ -261,9 +261,8 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
             onnx_model = lowered.model()
     else:
         lowered, onnx_model, decomposed_because = _lower_session(session, session_plan, prepared, settings, stages)
-        if decomposed_because:
-            report.notes.append(f"lowering {session.name}: torch.onnx re-traced the graph to decompose it "
-                                f"({decomposed_because}), which took longer")
+        session_report.lowering = (f"re-traced by torch.onnx to decompose it ({decomposed_because})"
+                                   if decomposed_because else "without torch.onnx's decomposition re-trace")
         if cached_graphs is not None:
             with stages.stage(_stage("graph_cache", session, settings)):
                 _write_to_cache(cached_graphs, session.name, lowered, report)

@@ -46,6 +46,9 @@ class SessionReport:
     initializers: dict[str, Any] = field(default_factory=dict)
     graph_inputs: list[str] = field(default_factory=list)
     graph_outputs: list[str] = field(default_factory=list)
+    # How torch.onnx lowered the traced graph: with or without re-tracing it to decompose it
+    # (empty where the graph came from the graph cache).
+    lowering: str = ""
 
     def describe_graph(self, model: ir.Model) -> None:
         self.op_counts = op_counts(model)
@@ -154,8 +157,10 @@ def describe_graph_cache(cache: dict[str, Any]) -> str:
 
 def _session_markdown(name: str, session: SessionReport) -> list[str]:
     mib = 1024 * 1024
-    lines = ["", f"## Session {name} ({session.filename})", "", "### FX passes", "",
-             "| pass | changes | seconds |", "|---|---|---:|"]
+    lines = ["", f"## Session {name} ({session.filename})", ""]
+    if session.lowering:
+        lines += [f"Lowered {session.lowering}.", ""]
+    lines += ["### FX passes", "", "| pass | changes | seconds |", "|---|---|---:|"]
     lines += [
         f"| {p['name']} | {', '.join(f'{k}={v}' for k, v in p['changes'].items()) or '-'} | {p['seconds']:.3f} |"
         for p in session.fx_passes
