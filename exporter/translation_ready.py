@@ -26,9 +26,9 @@ import operator
 import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
-from torch.fx.node import map_aggregate
 
 from fx_passes.base import outputs_named_as_in_graph, program_fake_mode
+from fx_passes.graph_facts import fake_value
 
 _aten = torch.ops.aten
 _RESHAPES = (_aten.flatten.using_ints, _aten.unflatten.int, _aten.reshape.default)
@@ -61,17 +61,17 @@ def ready_for_translation(program: ExportedProgram, translated: set) -> str | No
     if failed := refresh_fake_values(graph_module):
         return failed
     twins = {}
-    with program_fake_mode(graph):
-        for node in in_place:
-            twin = _functional_twin(node.target)
-            try:
-                value = twin(*map_aggregate(node.args, _value), **map_aggregate(node.kwargs, _value))
-            except Exception as error:
-                return f"{twin} could not run ({type(error).__name__})"
-            kept = node.meta["val"]  # the in-place op keeps its input's dtype and shape
-            if twin not in translated or value.dtype != kept.dtype or tuple(value.shape) != tuple(kept.shape):
-                return f"{node.target} has no translated twin of the same dtype and shape"
-            twins[node] = twin, value
+    fake_mode = program_fake_mode(graph)
+    for node in in_place:
+        twin = _functional_twin(node.target)
+        try:
+            value = fake_value(node, twin, fake_mode)
+        except Exception as error:
+            return f"{twin} could not run ({type(error).__name__})"
+        kept = node.meta["val"]  # the in-place op keeps its input's dtype and shape
+        if twin not in translated or value.dtype != kept.dtype or tuple(value.shape) != tuple(kept.shape):
+            return f"{node.target} has no translated twin of the same dtype and shape"
+        twins[node] = twin, value
     views = _views_of_reshapes(graph, order)
     if isinstance(views, str):
         return views
@@ -93,33 +93,22 @@ def refresh_fake_values(graph_module: GraphModule) -> str | None:
     returned."""
     nodes = [n for n in graph_module.graph.nodes if n.op == "call_function"]
     before = {node: node.meta["val"] for node in nodes if "val" in node.meta}
-    with program_fake_mode(graph_module.graph):
-        for node in nodes:
-            args = map_aggregate(node.args, _value)
-            if _mutates(node.target) and args and isinstance(args[0], torch.Tensor):
-                args = (args[0].clone(), *args[1:])  # leave the input's recorded value as it is
-            try:
-                node.meta["val"] = node.target(*args, **map_aggregate(node.kwargs, _value))
-            except Exception as error:  # e.g. an op without a fake kernel: the re-trace will say more
-                for done in nodes:
-                    done.meta.pop("val", None)
-                    if done in before:
-                        done.meta["val"] = before[done]
-                return f"{_op_name(node.target)}'s value could not be recomputed ({type(error).__name__})"
+    fake_mode = program_fake_mode(graph_module.graph)
+    for node in nodes:
+        try:
+            node.meta["val"] = fake_value(node, fake_mode=fake_mode)
+        except Exception as error:  # e.g. an op without a fake kernel: the re-trace will say more
+            for done in nodes:
+                done.meta.pop("val", None)
+                if done in before:
+                    done.meta["val"] = before[done]
+            return f"{_op_name(node.target)}'s value could not be recomputed ({type(error).__name__})"
     return None
 
 
 def _op_name(target) -> str:
     """``aten.mul_.Tensor``, or a Python function's name (its repr holds an address)."""
     return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
-
-
-def _mutates(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
-
-
-def _value(argument):
-    return argument.meta["val"] if isinstance(argument, Node) else argument
 
 
 def _conversions_as_copies(graph: torch.fx.Graph) -> None:

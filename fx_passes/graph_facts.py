@@ -121,16 +121,25 @@ def layer_index(node: Node) -> int | None:
 
 def set_fake_value(node: Node) -> None:
     """Fill ``node.meta["val"]`` by running its op on its inputs' fake values, for nodes a pass adds."""
-    values = [n.meta["val"] for n in node.all_input_nodes if "val" in n.meta]
-    fake_mode = torch._guards.detect_fake_mode(values)
+    node.meta["val"] = fake_value(node)
 
+
+def fake_value(node: Node, target=None, fake_mode=None):
+    """What ``target`` (the node's own op by default) gives on the node's inputs' fake values, in
+    ``fake_mode`` (by default the one those values carry). An op that writes its first argument
+    runs on a copy, so the input's recorded value stays as it is."""
     def fake(argument):
         return argument.meta["val"] if isinstance(argument, Node) else argument
 
+    target = target or node.target
+    if fake_mode is None:
+        fake_mode = torch._guards.detect_fake_mode([n.meta["val"] for n in node.all_input_nodes if "val" in n.meta])
+    args = torch.fx.node.map_aggregate(node.args, fake)
     with fake_mode:
-        node.meta["val"] = node.target(
-            *torch.fx.node.map_aggregate(node.args, fake), **torch.fx.node.map_aggregate(node.kwargs, fake)
-        )
+        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable and args \
+                and isinstance(args[0], torch.Tensor):
+            args = (args[0].clone(), *args[1:])
+        return target(*args, **torch.fx.node.map_aggregate(node.kwargs, fake))
 
 
 def evaluate_nodes(program: ExportedProgram, targets: list[Node], user_inputs: dict[str, torch.Tensor]) -> list:
