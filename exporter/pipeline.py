@@ -78,6 +78,7 @@ class ExportedPackage:
                     "weight_bytes": session.initializers["total_bytes"],
                     "fx_passes": [p["name"] for p in session.fx_passes],
                     "onnx_passes": [p["name"] for p in session.onnx_passes],
+                    "lowering": session.lowering,  # empty for a graph-cache hit
                 }
                 for name, session in report.sessions.items()
             },

@@ -59,6 +59,7 @@ def test_json_summary_describes_the_package(tmp_path, capsys):
     assert decoder["onnx_nodes"] == sum(report["sessions"]["decoder"]["op_counts"].values())
     assert decoder["fx_passes"] == [p["name"] for p in report["sessions"]["decoder"]["fx_passes"]]
     assert "gather_last_token" in decoder["fx_passes"]
+    assert decoder["lowering"] == report["sessions"]["decoder"]["lowering"] == "without torch.onnx's decomposition re-trace"
     for name, size in summary["files"].items():
         assert (out / name).stat().st_size == size, name
     assert summary["package_bytes"] == sum(summary["files"].values())

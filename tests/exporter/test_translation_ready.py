@@ -41,15 +41,20 @@ def _canonical(path) -> tuple:
 
 
 @pytest.mark.l2
-@pytest.mark.parametrize(("name", "ep"), [("tiny-gemma-4", "cpu"), ("tiny-gemma-4", "webgpu"), ("tiny-cohere", "cpu")])
-def test_the_package_without_the_retrace_is_the_retraced_package(name, ep, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("name", "ep"), [
+    # Each family's checkpoint is built on the worker that exports its family's package.
+    pytest.param(name, ep, marks=pytest.mark.xdist_group(name))
+    for name, ep in [("tiny-gemma-4", "cpu"), ("tiny-gemma-4", "webgpu"), ("tiny-cohere", "cpu")]])
+def test_the_package_without_the_retrace_is_the_retraced_package(name, ep, preset_exports, tmp_path, monkeypatch):
     """tiny-gemma-4: in-place scaling, truncated layers' shapes, GroupQueryAttention's flattened
-    heads (and on webgpu, fp16 with window attention); tiny-cohere: dtype conversions. The same
-    graph, and the same weights file."""
-    skipped = export(name, ep=ep, output_dir=tmp_path / "skipped", cache=False)
+    heads (and on webgpu, fp16 with window attention); tiny-cohere: dtype conversions. Streamed from
+    the family's test checkpoint (every init constant moved): the same graph, and the same weights
+    file."""
+    folder = str(preset_exports.checkpoint(name).folder)
+    skipped = export(folder, ep=ep, output_dir=tmp_path / "skipped", cache=False)
     assert skipped.report.sessions["decoder"].lowering == "without torch.onnx's decomposition re-trace"
     monkeypatch.setattr(translation_ready, "ready_for_translation", lambda program, translated: "the test's reference")
-    retraced = export(name, ep=ep, output_dir=tmp_path / "retraced", cache=False)
+    retraced = export(folder, ep=ep, output_dir=tmp_path / "retraced", cache=False)
     assert retraced.report.sessions["decoder"].lowering == "re-traced by torch.onnx to decompose it (the test's reference)"
     assert _canonical(skipped.model_path) == _canonical(retraced.model_path)
     data = skipped.model_path.name + ".data"
