@@ -4,8 +4,10 @@ onnxscript's rewrite rules do the matching (``ort_fusions``: RMSNorm -> Simplifi
 Add + SimplifiedLayerNormalization -> SkipSimplifiedLayerNormalization, whose check requires both
 Add inputs to be [batch, seq, hidden]: the rank guard that keeps Add(MatMul output, 1-D bias) +
 RMSNorm unfused, a pattern ONNX Runtime rejects with "skip is expected to have 3 or 2 dimensions").
-Written here: one rule onnxscript lacks, ``x ** -0.5 -> 1 / sqrt(x)``, because Gemma's RMSNorm traces
-to ``pow(-0.5)`` and onnxscript's RMSNorm pattern expects Sqrt + Reciprocal.
+Written here, what onnxscript lacks: ``x ** -0.5 -> 1 / sqrt(x)``, because Gemma's RMSNorm traces
+to ``pow(-0.5)`` and onnxscript's RMSNorm pattern expects Sqrt + Reciprocal; an RMSNorm without a
+scale (Gemma 4's value norm, its MoE router's norm) as a norm with a scale of ones; a
+half-precision norm computed in float32 as one norm in the input's dtype.
 
 Only the given rules run, not onnxscript's default set, whose matching cost grows with the square of
 the node count.
@@ -13,6 +15,7 @@ the node count.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import common
 from onnxscript.rewriter import RewritePass, _ir_utils, pattern
@@ -36,6 +39,53 @@ class PowNegativeHalfToRsqrt(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, x, exponent, **_):
         return op.Reciprocal(op.Sqrt(x))
+
+
+class UnscaledRmsNorm(pattern.RewriteRuleClassBase):
+    """An RMSNorm with no scale, ``x / sqrt(mean(x**2) + eps)``, as SimplifiedLayerNormalization
+    with a scale of ones: one kernel for the eight nodes of a half-precision model's float32-inside
+    form (Cast, Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Cast back), or five in float32. The
+    output is the same up to rounding: multiplying by 1 is exact.
+
+    ``cast_inside``: x is cast to float32 for the statistics and the result cast back to x's dtype;
+    otherwise x itself is float32 or float64. Runs after the scaled rules, whose norms hold this
+    pattern as their first part (``FuseRmsNorms``).
+    """
+
+    def __init__(self, name: str, cast_inside: bool):
+        super().__init__(name)
+        self._cast_inside = cast_inside
+
+    def pattern(self, op, x, epsilon, compute_dtype, target_dtype):
+        computed = op.Cast(x, to=compute_dtype) if self._cast_inside else x
+        mean_square = op.ReduceMean(op.Pow(computed, 2.0), [-1], keepdims=1, noop_with_empty_axes=0)
+        normalized = op.Mul(computed, op.Reciprocal(op.Sqrt(op.Add(mean_square, epsilon))))
+        return op.Cast(normalized, to=target_dtype) if self._cast_inside else normalized
+
+    def check(self, op, x, epsilon, compute_dtype=None, target_dtype=None, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        if not isinstance(_ir_utils.get_singleton_value(epsilon), float):
+            return result.fail("epsilon is not a constant float")
+        if x.shape is None or not isinstance(x.shape[-1], int):
+            return result.fail("the normalized dim's size is not known")
+        if self._cast_inside:
+            if x.dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+                return result.fail("x is not half precision")
+            if compute_dtype.as_int() != ir.DataType.FLOAT.value or target_dtype.as_int() != x.dtype.value:
+                return result.fail("not float32 statistics cast back to x's dtype")
+        elif x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+            return result.fail("x is not float32 or float64")
+        return result
+
+    def rewrite(self, op, x, epsilon, **_):
+        ones = ir.tensor(np.ones(x.shape[-1], dtype=x.dtype.numpy()), name=None)
+        return op.SimplifiedLayerNormalization(
+            x,
+            op.initializer(ones, name=f"{x.name}_unit_scale"),
+            axis=-1,
+            epsilon=_ir_utils.get_singleton_value(epsilon),
+            stash_type=ir.DataType.FLOAT.value if self._cast_inside else x.dtype.value,
+        )
 
 
 class NormInInputDtype(pattern.RewriteRuleClassBase):
@@ -128,6 +178,14 @@ class FuseRmsNorms(_NormFusion):
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
         changes = super().__call__(model, facts)
+        # Only once the scaled norms are fused: each holds the unscaled pattern. The half-precision
+        # form first: its float32 middle is the float32 form.
+        before = count_nodes(model, self.op_type)
+        for cast_inside in (True, False):
+            run_in_place(RewritePass([UnscaledRmsNorm.rule(f"UnscaledRmsNorm{cast_inside}", cast_inside=cast_inside)]),
+                         model)
+        run_in_place(common.RemoveUnusedNodesPass(), model)
+        changes["fused"] += count_nodes(model, self.op_type) - before
         squares_averaged = [
             node for node in model.graph.all_nodes()
             if node.op_type == "ReduceMean"

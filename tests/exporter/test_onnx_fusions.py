@@ -1,4 +1,5 @@
-"""ONNX fusions: RMSNorm (incl. Gemma's pow(-0.5) form) and skip-RMSNorm, with the rank guard."""
+"""ONNX fusions: RMSNorm (incl. Gemma's pow(-0.5) form, and without a scale) and skip-RMSNorm, with
+the rank guard."""
 
 from __future__ import annotations
 
@@ -107,3 +108,65 @@ def test_rms_norm_that_cannot_fuse_is_an_error():
     model = ir.from_proto(_model(_rms_norm_nodes("x", "y", epsilon="runtime_eps"), [_x(), epsilon]))
     with pytest.raises(FusionDidNotApply, match="matched nothing.*1 mean-of-squares"):
         run_fusions(model)
+
+
+def _unscaled_rms_norm_nodes(x: str, out: str, cast_inside: bool = False) -> list:
+    """``x / sqrt(mean(x**2) + eps)`` with no scale (Gemma 4's value norm); ``cast_inside``: in
+    float32 between a Cast from x's dtype and a Cast back."""
+    computed = f"{x}_float" if cast_inside else x
+    nodes = [helper.make_node("Cast", [x], [computed], to=TensorProto.FLOAT)] if cast_inside else []
+    return [
+        *nodes,
+        helper.make_node("Pow", [computed, "two"], [f"{x}_sq"]),
+        helper.make_node("ReduceMean", [f"{x}_sq", "axes"], [f"{x}_ms"], keepdims=1, noop_with_empty_axes=0),
+        helper.make_node("Add", [f"{x}_ms", "eps"], [f"{x}_ms_eps"]),
+        helper.make_node("Pow", [f"{x}_ms_eps", "minus_half"], [f"{x}_inv_rms"]),
+        helper.make_node("Mul", [computed, f"{x}_inv_rms"], [f"{x}_normed" if cast_inside else out]),
+        *([helper.make_node("Cast", [f"{x}_normed"], [out], to=TensorProto.FLOAT16)] if cast_inside else []),
+    ]
+
+
+def test_unscaled_rms_norm_fuses_with_a_scale_of_ones_beside_a_scaled_one():
+    """The unscaled norm becomes one SimplifiedLayerNormalization whose scale is ones; the scaled
+    norm, which holds the same pattern, keeps its own scale (no ones-then-scale split)."""
+    nodes = [
+        *_rms_norm_nodes("x", "scaled"),
+        *_unscaled_rms_norm_nodes("x2", "unscaled"),
+        helper.make_node("Add", ["scaled", "unscaled"], ["y"]),
+    ]
+    proto = _model(nodes, [_x(), _x("x2")])
+    made = _fuse_and_compare(proto, _feeds("x", "x2"))
+    assert made == {"SimplifiedLayerNormalization": 2, "SkipSimplifiedLayerNormalization": 0}
+    model = ir.from_proto(proto)
+    run_fusions(model)
+    scales = {node.inputs[0].name: node.inputs[1] for node in model.graph if node.op_type == "SimplifiedLayerNormalization"}
+    assert scales["x"].name == "scale"
+    np.testing.assert_array_equal(scales["x2"].const_value.numpy(), np.ones(D, np.float32))
+    assert [node.op_type for node in model.graph] == ["SimplifiedLayerNormalization"] * 2 + ["Add"]
+
+
+def test_half_precision_unscaled_rms_norm_in_float32_fuses_to_one_node():
+    """Cast to float32, the norm, Cast back (eight nodes) -> one norm in float16 with float32
+    statistics. Tolerance: one float16 ulp of the largest outputs (2**-9 below 4; |y| <= sqrt(8)),
+    the two results being rounded to float16 once each."""
+    nodes = _unscaled_rms_norm_nodes("x", "y", cast_inside=True)
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", "seq", D])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
+        [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+         numpy_helper.from_array(np.array(-0.5, np.float32), "minus_half"),
+         numpy_helper.from_array(np.array([-1], np.int64), "axes"),
+         numpy_helper.from_array(np.array(1e-6, np.float32), "eps")],
+    )
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    feeds = {"x": (np.random.default_rng(3).standard_normal((2, 3, D)) * 4).astype(np.float16)}
+    expected = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)[0]
+    model = ir.from_proto(proto)
+    assert run_fusions(model)["SimplifiedLayerNormalization"] == 1
+    assert [node.op_type for node in model.graph] == ["SimplifiedLayerNormalization"]
+    norm = next(iter(model.graph))
+    assert norm.inputs[0].name == "x" and norm.inputs[1].const_value.dtype == ir.DataType.FLOAT16
+    assert norm.attributes.get_int("stash_type") == TensorProto.FLOAT
+    actual = ort.InferenceSession(ir.to_proto(model).SerializeToString()).run(None, feeds)[0]
+    assert actual.dtype == np.float16
+    np.testing.assert_allclose(actual.astype(np.float32), expected.astype(np.float32), rtol=0, atol=2**-9)

@@ -23,12 +23,12 @@ FAMILIES = [
 # Families normalised by LayerNorm (ONNX's LayerNormalization), with no RMSNorm to fuse.
 LAYER_NORM_FAMILIES = {"tiny-phi", "tiny-gpt-neox"}
 
-# Families whose every norm is an RMSNorm with a scale (so every one fuses) and which compute no
-# other mean of squares or power: Gemma 4 (its value norm has no scale; its MoE router norms the
-# hidden state unscaled), Gemma 3n (AltUp rescales its streams by their RMS) and Cohere (its norms
-# centre on the mean first) keep some.
+# Families whose every norm is an RMSNorm, with a scale or without (Gemma 4's value norm, Llama 4's
+# query and key norms), so every one fuses, and which compute no other mean of squares or power: Gemma 4's MoE (two norms of one
+# hidden state share their squares, so neither matches), Gemma 3n (AltUp rescales its streams by
+# their RMS) and Cohere (its norms centre on the mean first) keep some.
 PLAIN_RMS_NORM_FAMILIES = set(FAMILIES) - LAYER_NORM_FAMILIES - {
-    "tiny-gemma-4", "tiny-gemma-4-moe", "tiny-gemma-3n", "tiny-cohere", "tiny-llama4"}
+    "tiny-gemma-4-moe", "tiny-gemma-3n", "tiny-cohere"}
 
 # Families with routed-experts blocks: ONNX Runtime's MoE where the CPU profile runs it (softmax
 # top-k routing, SiLU-gated experts), else MatMuls over weights gathered per routed token behind the
