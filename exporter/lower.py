@@ -5,7 +5,8 @@ whose cost grows with the square of the node count (most of 81 s at 35 layers); 
 list in ``exporter.onnx_passes`` runs instead.
 
 torch.onnx's first step decomposes the program into ops it translates by re-tracing it; a traced
-decoder needs none of it once ``exporter.translation_ready`` has rewritten it, so it is skipped.
+decoder needs none of it once ``exporter.translation_ready`` has rewritten it, so it is skipped, and
+the type promotion after it reads the values that module recomputed.
 """
 
 from __future__ import annotations
@@ -90,24 +91,34 @@ def _name_graph_io(model: ir.Model, wanted_inputs: list[str], wanted_outputs: li
 
 @contextlib.contextmanager
 def _decomposition_skipped_when_ready(decomposed_because: list[str]):
-    """torch.onnx's decomposition step, skipped for a program ``translation_ready`` makes ready.
-    torch.onnx has no option for this, so its step function is wrapped for the call."""
+    """torch.onnx's decomposition step, skipped for a program ``translation_ready`` makes ready,
+    whose type promotion then reads the values it recomputed. torch.onnx has no option for this,
+    so its step functions are wrapped for the call."""
     from torch.onnx._internal.exporter import _decomp, _fx_passes
 
-    decompose = _fx_passes.decompose_with_registry
+    decompose, promote = _fx_passes.decompose_with_registry, _fx_passes.insert_type_promotion_nodes
+    made_ready: list[bool] = []
 
     def decompose_unless_ready(program: ExportedProgram, registry):
         reason = translation_ready.ready_for_translation(program, set(_decomp.get_onnx_implemented_overloads(registry)))
+        made_ready.append(reason is None)
         if reason is None:
             return program
         decomposed_because.append(reason)
         return decompose(program, registry)
 
+    def promote_on_recorded_values_when_ready(graph_module):
+        if made_ready != [True]:
+            return promote(graph_module)
+        return translation_ready.insert_type_promotions(graph_module)
+
     _fx_passes.decompose_with_registry = decompose_unless_ready
+    _fx_passes.insert_type_promotion_nodes = promote_on_recorded_values_when_ready
     try:
         yield
     finally:
         _fx_passes.decompose_with_registry = decompose
+        _fx_passes.insert_type_promotion_nodes = promote
 
 
 @contextlib.contextmanager

@@ -17,6 +17,9 @@ fixed as a side effect, done here directly:
 ``ready_for_translation`` checks everything first and rewrites only when all of it applies;
 otherwise it says why and leaves the graph as it was (fake values aside), and lowering keeps
 torch.onnx's decomposition.
+
+A ready program's values are fresh, so torch.onnx's next step, explicit type promotion, reads them
+(``insert_type_promotions``) instead of re-running every node in fake mode (2.4 s at 35 layers).
 """
 
 from __future__ import annotations
@@ -104,6 +107,28 @@ def refresh_fake_values(graph_module: GraphModule) -> str | None:
                     done.meta["val"] = before[done]
             return f"{_op_name(node.target)}'s value could not be recomputed ({type(error).__name__})"
     return None
+
+
+def insert_type_promotions(graph_module: GraphModule) -> None:
+    """torch.onnx's explicit type promotion (a cast where an op's inputs differ in dtype, a Python
+    number as a tensor of the op's dtype) by torch.onnx's own rules and interpreter, except that a
+    node it leaves as it was gives its recorded value instead of running again. Only for a program
+    ``ready_for_translation`` made ready: every call node's value was just recomputed, and a
+    promotion keeps each node's output dtype and shape, so no recorded value goes stale."""
+    from torch.onnx._internal.fx.passes import type_promotion
+
+    class OnRecordedValues(type_promotion._TypePromotionInterpreter):
+        def run_node(self, node: Node):
+            with self._set_current_node(node):
+                if rule := type_promotion.get_type_promotion_rule(node, self.type_promotion_table):
+                    self._maybe_promote_node(node, rule)  # re-runs the node if it changed it
+            if node.op == "call_function" and "val" in node.meta:
+                return node.meta["val"]
+            return torch.fx.Interpreter.run_node(self, node)  # placeholders, attributes, the output
+
+    promotion = type_promotion.InsertTypePromotion(graph_module)
+    promotion.interpreter = OnRecordedValues(graph_module, type_promotion.TypePromotionTable())
+    promotion.run()
 
 
 def _op_name(target) -> str:

@@ -78,14 +78,26 @@ class UnscaledRmsNorm(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, x, epsilon, **_):
-        ones = ir.tensor(np.ones(x.shape[-1], dtype=x.dtype.numpy()), name=None)
         return op.SimplifiedLayerNormalization(
             x,
-            op.initializer(ones, name=f"{x.name}_unit_scale"),
+            _unit_scale(op, x),
             axis=-1,
             epsilon=_ir_utils.get_singleton_value(epsilon),
             stash_type=ir.DataType.FLOAT.value if self._cast_inside else x.dtype.value,
         )
+
+
+def _unit_scale(op, x: ir.Value) -> ir.Value:
+    """Ones of x's last dim and dtype: one initializer per size and dtype, shared by every norm."""
+    size, dtype = x.shape[-1], x.dtype
+    graph = x.producer().graph if x.producer() is not None else x.graph
+    name = f"unit_scale_{dtype.name.lower()}_{size}"
+    if (existing := graph.initializers.get(name)) is not None:
+        values = existing.const_value.numpy() if existing.const_value is not None else None
+        if values is not None and values.dtype == dtype.numpy() and values.shape == (size,) and (values == 1).all():
+            return existing
+        raise RuntimeError(f"the graph already has an initializer named {name} that is not {size} ones")
+    return op.initializer(ir.tensor(np.ones(size, dtype=dtype.numpy())), name=name)
 
 
 class NormInInputDtype(pattern.RewriteRuleClassBase):

@@ -103,6 +103,12 @@ class _ScaledFlattenAll(torch.nn.Module):
         return y.reshape(-1)
 
 
+class _MixedDtypes(torch.nn.Module):
+    def forward(self, half, single, count):
+        # float16 + float32; an integer times a Python float; a float16 times a Python int
+        return (half + single) * (count * 0.5 + 1) + half * 3
+
+
 class _AsFloat(torch.nn.Module):
     def forward(self, a, b):
         return (a + b).float()  # already float32: the conversion is the graph's output
@@ -197,6 +203,40 @@ def test_a_dtype_keeping_conversion_that_is_an_output_goes():
     assert decomposed_because is None
     assert torch.ops.aten.to.dtype not in _targets(program)
     torch.testing.assert_close(torch.from_numpy(got), _AsFloat()(*inputs))
+
+
+def _mixed_dtype_inputs() -> tuple:
+    return torch.randn(2, 3).half(), torch.randn(2, 3), torch.arange(6).reshape(2, 3)
+
+
+@pytest.mark.l1
+def test_type_promotion_on_recorded_values_is_torch_onnx_s_own():
+    """The same casts and scalar tensors, with the same values, as torch.onnx's pass, which runs
+    every node again in fake mode."""
+    from torch.onnx._internal.exporter import _fx_passes
+
+    promoted = []
+    for promote in (translation_ready.insert_type_promotions, _fx_passes.insert_type_promotion_nodes):
+        program = _exported(_MixedDtypes(), *_mixed_dtype_inputs())
+        assert _ready(program) is None
+        promote(program.graph_module)
+        promoted.append([(str(n.target), str(n.args), str(n.kwargs), n.meta["val"].dtype, tuple(n.meta["val"].shape))
+                         for n in program.graph.nodes if n.op == "call_function"])
+    assert promoted[0] == promoted[1]
+    assert sum("convert_element_type" in target for target, *_ in promoted[0]) >= 2  # half and count cast
+
+
+@pytest.mark.l3
+def test_a_ready_program_with_mixed_dtypes_lowers_with_its_promotions(monkeypatch):
+    """The same numbers as with torch.onnx's decomposition and type promotion; against eager,
+    float16's precision (2**-10 relative: ONNX Runtime rounds the float16 product on its own)."""
+    inputs = _mixed_dtype_inputs()
+    decomposed_because, (got,) = _onnx_outputs(_exported(_MixedDtypes(), *inputs), inputs, ["half", "single", "count"])
+    assert decomposed_because is None
+    monkeypatch.setattr(translation_ready, "ready_for_translation", lambda program, translated: "the test's reference")
+    _, (reference,) = _onnx_outputs(_exported(_MixedDtypes(), *inputs), inputs, ["half", "single", "count"])
+    assert (got == reference).all()
+    torch.testing.assert_close(torch.from_numpy(got), _MixedDtypes()(*inputs), rtol=2**-10, atol=2**-10)
 
 
 def _raises_without_real_values(x):
