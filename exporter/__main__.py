@@ -1,5 +1,3 @@
-import sys
+from exporter.cli import run
 
-from exporter.cli import main
-
-sys.exit(main())
+run()
