@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +93,27 @@ class ExportedPackage:
         }
 
 
+def _without_cyclic_collection(function: Callable) -> Callable:
+    """Python's cyclic garbage collector off while ``function`` runs, as it was after. An export
+    makes millions of objects that live until it ends (traced nodes, fake tensors, symbolic
+    shapes), which the collector would traverse again and again for nothing: 2.2 s of a 35-layer
+    export, against 30 MiB more peak memory without it. Garbage is freed by reference counting as
+    usual, and cycles at the next collection after the export."""
+
+    @functools.wraps(function)
+    def collecting_after(*args, **kwargs):
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return collecting_after
+
+
+@_without_cyclic_collection
 def export(
     model: Any,
     tokenizer: Any = None,
