@@ -6,7 +6,7 @@ Add inputs to be [batch, seq, hidden]: the rank guard that keeps Add(MatMul outp
 RMSNorm unfused, a pattern ONNX Runtime rejects with "skip is expected to have 3 or 2 dimensions").
 Written here, what onnxscript lacks: ``x ** -0.5 -> 1 / sqrt(x)``, because Gemma's RMSNorm traces
 to ``pow(-0.5)`` and onnxscript's RMSNorm pattern expects Sqrt + Reciprocal; an RMSNorm without a
-scale (Gemma 4's value norm, its MoE router's norm) as a norm with a scale of ones; a
+scale (Gemma 4's value norm, Llama 4's q/k norms) as a norm with a scale of ones; a
 half-precision norm computed in float32 as one norm in the input's dtype.
 
 Only the given rules run, not onnxscript's default set, whose matching cost grows with the square of
@@ -75,29 +75,37 @@ class UnscaledRmsNorm(pattern.RewriteRuleClassBase):
                 return result.fail("not float32 statistics cast back to x's dtype")
         elif x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
             return result.fail("x is not float32 or float64")
+        existing = _initializer(x, _unit_scale_name(x))
+        if existing is not None and not _holds_ones(existing, x.shape[-1], x.dtype):
+            return result.fail(f"an initializer named {_unit_scale_name(x)} holds other values")
         return result
 
     def rewrite(self, op, x, epsilon, **_):
+        name = _unit_scale_name(x)
+        unit_scale = _initializer(x, name) or op.initializer(
+            ir.tensor(np.ones(x.shape[-1], dtype=x.dtype.numpy())), name=name)
         return op.SimplifiedLayerNormalization(
             x,
-            _unit_scale(op, x),
+            unit_scale,
             axis=-1,
             epsilon=_ir_utils.get_singleton_value(epsilon),
             stash_type=ir.DataType.FLOAT.value if self._cast_inside else x.dtype.value,
         )
 
 
-def _unit_scale(op, x: ir.Value) -> ir.Value:
-    """Ones of x's last dim and dtype: one initializer per size and dtype, shared by every norm."""
-    size, dtype = x.shape[-1], x.dtype
+def _unit_scale_name(x: ir.Value) -> str:
+    """One initializer of ones per size and dtype, shared by every unscaled norm."""
+    return f"unit_scale_{x.dtype.name.lower()}_{x.shape[-1]}"
+
+
+def _initializer(x: ir.Value, name: str) -> ir.Value | None:
     graph = x.producer().graph if x.producer() is not None else x.graph
-    name = f"unit_scale_{dtype.name.lower()}_{size}"
-    if (existing := graph.initializers.get(name)) is not None:
-        values = existing.const_value.numpy() if existing.const_value is not None else None
-        if values is not None and values.dtype == dtype.numpy() and values.shape == (size,) and (values == 1).all():
-            return existing
-        raise RuntimeError(f"the graph already has an initializer named {name} that is not {size} ones")
-    return op.initializer(ir.tensor(np.ones(size, dtype=dtype.numpy())), name=name)
+    return graph.initializers.get(name)
+
+
+def _holds_ones(value: ir.Value, size: int, dtype: ir.DataType) -> bool:
+    array = value.const_value.numpy() if value.const_value is not None else None
+    return array is not None and array.dtype == dtype.numpy() and array.shape == (size,) and bool((array == 1).all())
 
 
 class NormInInputDtype(pattern.RewriteRuleClassBase):

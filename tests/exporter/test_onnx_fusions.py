@@ -170,3 +170,33 @@ def test_half_precision_unscaled_rms_norm_in_float32_fuses_to_one_node():
     actual = ort.InferenceSession(ir.to_proto(model).SerializeToString()).run(None, feeds)[0]
     assert actual.dtype == np.float16
     np.testing.assert_allclose(actual.astype(np.float32), expected.astype(np.float32), rtol=0, atol=2**-9)
+
+
+def test_unscaled_rms_norms_of_one_size_share_one_scale_of_ones():
+    nodes = [
+        *_unscaled_rms_norm_nodes("x", "a"),
+        *_unscaled_rms_norm_nodes("x2", "b"),
+        helper.make_node("Add", ["a", "b"], ["y"]),
+    ]
+    model = ir.from_proto(_model(nodes, [_x(), _x("x2")]))
+    assert run_fusions(model)["SimplifiedLayerNormalization"] == 2
+    scales = {node.inputs[1] for node in model.graph if node.op_type == "SimplifiedLayerNormalization"}
+    assert [scale.name for scale in scales] == [f"unit_scale_float_{D}"]
+
+
+@pytest.mark.parametrize("change", ["statistics over another axis", "normalizes another tensor"])
+def test_what_only_looks_like_an_unscaled_rms_norm_does_not_fuse(change):
+    """Not an RMSNorm of x over its last axis: no fusion, and the pass says so rather than
+    leaving it silently unfused."""
+    nodes = _unscaled_rms_norm_nodes("x", "y")
+    extra, inputs = [], [_x()]
+    if change == "statistics over another axis":
+        nodes[1] = helper.make_node("ReduceMean", ["x_sq", "axis_1"], ["x_ms"], keepdims=1)
+        extra = [numpy_helper.from_array(np.array([1], np.int64), "axis_1")]
+    else:
+        nodes[-1] = helper.make_node("Mul", ["other", "x_inv_rms"], ["y"])
+        inputs.append(_x("other"))
+    model = ir.from_proto(_model(nodes, inputs, extra))
+    with pytest.raises(FusionDidNotApply, match="matched nothing"):
+        run_fusions(model)
+    assert not any(node.op_type == "SimplifiedLayerNormalization" for node in model.graph)

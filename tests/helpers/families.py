@@ -24,9 +24,10 @@ FAMILIES = [
 LAYER_NORM_FAMILIES = {"tiny-phi", "tiny-gpt-neox"}
 
 # Families whose every norm is an RMSNorm, with a scale or without (Gemma 4's value norm, Llama 4's
-# query and key norms), so every one fuses, and which compute no other mean of squares or power: Gemma 4's MoE (two norms of one
-# hidden state share their squares, so neither matches), Gemma 3n (AltUp rescales its streams by
-# their RMS) and Cohere (its norms centre on the mean first) keep some.
+# query and key norms), all of which fuse, and which compute no other mean of squares or power.
+# Left out, as each keeps some: Gemma 4's MoE (two norms of one hidden state share their squares,
+# so neither matches), Gemma 3n (AltUp rescales its streams by their RMS) and Cohere (its norms
+# centre on the mean first).
 PLAIN_RMS_NORM_FAMILIES = set(FAMILIES) - LAYER_NORM_FAMILIES - {
     "tiny-gemma-4-moe", "tiny-gemma-3n", "tiny-cohere"}
 
