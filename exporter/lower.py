@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 import warnings
 
 import onnx_ir as ir
@@ -93,10 +94,10 @@ def _name_graph_io(model: ir.Model, wanted_inputs: list[str], wanted_outputs: li
 def _decomposition_skipped_when_ready(decomposed_because: list[str]):
     """torch.onnx's decomposition step, skipped for a program ``translation_ready`` makes ready,
     whose type promotion then reads the values it recomputed. torch.onnx has no option for this,
-    so its step functions are wrapped for the call."""
+    so its step functions are wrapped for the call, one lowering at a time (the wrappers are
+    module-wide, and each holds its own lowering's state)."""
     from torch.onnx._internal.exporter import _decomp, _fx_passes
 
-    decompose, promote = _fx_passes.decompose_with_registry, _fx_passes.insert_type_promotion_nodes
     made_ready: list[bool] = []
 
     def decompose_unless_ready(program: ExportedProgram, registry):
@@ -112,13 +113,18 @@ def _decomposition_skipped_when_ready(decomposed_because: list[str]):
             return promote(graph_module)
         return translation_ready.insert_type_promotions(graph_module)
 
-    _fx_passes.decompose_with_registry = decompose_unless_ready
-    _fx_passes.insert_type_promotion_nodes = promote_on_recorded_values_when_ready
-    try:
-        yield
-    finally:
-        _fx_passes.decompose_with_registry = decompose
-        _fx_passes.insert_type_promotion_nodes = promote
+    with _TORCH_ONNX_STEPS_WRAPPED:  # read torch's own steps only when no other lowering wraps them
+        decompose, promote = _fx_passes.decompose_with_registry, _fx_passes.insert_type_promotion_nodes
+        _fx_passes.decompose_with_registry = decompose_unless_ready
+        _fx_passes.insert_type_promotion_nodes = promote_on_recorded_values_when_ready
+        try:
+            yield
+        finally:
+            _fx_passes.decompose_with_registry = decompose
+            _fx_passes.insert_type_promotion_nodes = promote
+
+
+_TORCH_ONNX_STEPS_WRAPPED = threading.RLock()
 
 
 @contextlib.contextmanager

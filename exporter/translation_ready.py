@@ -19,7 +19,7 @@ otherwise it says why and leaves the graph as it was (fake values aside), and lo
 torch.onnx's decomposition.
 
 A ready program's values are fresh, so torch.onnx's next step, explicit type promotion, reads them
-(``insert_type_promotions``) instead of re-running every node in fake mode (2.4 s at 35 layers).
+(``insert_type_promotions``) instead of re-running every node in fake mode (2.0 s at 35 layers).
 """
 
 from __future__ import annotations

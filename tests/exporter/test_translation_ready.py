@@ -231,8 +231,12 @@ def test_a_ready_program_with_mixed_dtypes_lowers_with_its_promotions(monkeypatc
     """The same numbers as with torch.onnx's decomposition and type promotion; against eager,
     float16's precision (2**-10 relative: ONNX Runtime rounds the float16 product on its own)."""
     inputs = _mixed_dtype_inputs()
+    promoted = []
+    monkeypatch.setattr(translation_ready, "insert_type_promotions",
+                        lambda module, own=translation_ready.insert_type_promotions: promoted.append(module) or own(module))
     decomposed_because, (got,) = _onnx_outputs(_exported(_MixedDtypes(), *inputs), inputs, ["half", "single", "count"])
     assert decomposed_because is None
+    assert len(promoted) == 1, "the promotions came from the recorded values, not torch.onnx's fake-mode re-run"
     monkeypatch.setattr(translation_ready, "ready_for_translation", lambda program, translated: "the test's reference")
     _, (reference,) = _onnx_outputs(_exported(_MixedDtypes(), *inputs), inputs, ["half", "single", "count"])
     assert (got == reference).all()
