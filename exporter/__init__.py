@@ -15,3 +15,7 @@ def __getattr__(name: str):
 
         return ExportOnSave
     raise AttributeError(f"module 'exporter' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "ExportOnSave"})
