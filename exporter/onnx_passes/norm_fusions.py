@@ -205,7 +205,8 @@ class FuseRmsNorms(_NormFusion):
             run_in_place(RewritePass([UnscaledRmsNorm.rule(f"UnscaledRmsNorm{cast_inside}", cast_inside=cast_inside)]),
                          model)
         run_in_place(common.RemoveUnusedNodesPass(), model)
-        changes["fused"] += count_nodes(model, self.op_type) - before
+        changes["without_scale"] = count_nodes(model, self.op_type) - before
+        changes["fused"] += changes["without_scale"]
         squares_averaged = [
             node for node in model.graph.all_nodes()
             if node.op_type == "ReduceMean"
@@ -218,6 +219,7 @@ class FuseRmsNorms(_NormFusion):
                 f"SimplifiedLayerNormalization fusion matched nothing, but the graph has {len(squares_averaged)} "
                 f"mean-of-squares (RMSNorm-like) subgraphs, e.g. at {squares_averaged[0].name}"
             )
+        changes["mean_of_squares_left"] = len(squares_averaged)  # a partial fusion shows in the report
         return changes
 
 

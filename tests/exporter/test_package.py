@@ -53,12 +53,18 @@ def test_norms_are_fused(family_export):
         assert report.op_counts.get("LayerNormalization", 0) > 0
         assert "ReduceMean" not in report.op_counts
         return
-    assert report.onnx_pass_changes("fuse_rms_norms")["fused"] > 0
+    norms = report.onnx_pass_changes("fuse_rms_norms")
+    assert norms["fused"] > 0
     if name == "tiny-cohere":  # parallel attention and MLP: no residual add between two norms
         return
     assert report.onnx_pass_changes("fuse_skip_rms_norms")["fused"] > 0
     if name in PLAIN_RMS_NORM_FAMILIES:
         assert "Pow" not in report.op_counts and "ReduceMean" not in report.op_counts
+        assert norms["mean_of_squares_left"] == 0
+    else:
+        assert norms["mean_of_squares_left"] > 0, f"{name} now fuses every norm: list it in PLAIN_RMS_NORM_FAMILIES"
+    if name == "tiny-gemma-4":  # the value norm, which has no scale: one per KV-owning layer
+        assert norms["without_scale"] == len(family_export.package.layout.kv_layers)
 
 
 @pytest.mark.l1
