@@ -94,6 +94,20 @@ class WeightSource(Protocol):
         """What the source holds beyond the saved tensors ``read`` by the exported graph."""
         ...
 
+    # A source may also have ``stored_bytes(name, index, dtype) -> FileRange | None``: where a file
+    # holds those bytes as the package stores them (``SafetensorsWeights``).
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes of a file that are a package tensor's bytes as they are: the writer copies them file
+    to file (``copy_file_range`` in the kernel where the OS has it, through ``onnx_ir``'s
+    ``ExternalTensor``) instead of reading them into memory and writing them back."""
+
+    path: Path
+    offset: int
+    length: int
+
 
 def build_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """``build()`` run on the meta device, so no parameter is ever allocated (a 9.4 GB per-layer
@@ -259,6 +273,7 @@ class SafetensorsWeights:
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
         self.handles = {name: _open_safetensors(folder / name) for name in files}
+        self._headers: dict[str, tuple[int, dict]] = {}  # file -> (where its data starts, its header)
         self.file_of = {key: name for name, handle in self.handles.items() for key in handle.keys()}
         self.key_for: dict[str, str] = {}  # saved tensor name -> checkpoint key, once matched
         self.converted = ConvertedTensors({}, {})  # transformers' conversions, planned by match()
@@ -393,6 +408,38 @@ class SafetensorsWeights:
             self._prefix = prefixes.most_common(1)[0][0] if prefixes else None
         return self._prefix
 
+    def stored_bytes(self, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
+        """The bytes of ``name``, or of its slice ``index``, where a checkpoint file stores them in
+        ``dtype`` as they are: a tensor kept in that dtype and unconverted, whole or cut along its
+        first axis only (rows are contiguous in safetensors' row-major layout)."""
+        if name in self.converted.groups:
+            return None
+        key = self.key_of(name)
+        file_name = self.file_of[key]
+        data_start, header = self._header(file_name)
+        entry = header[key]
+        if _SAFETENSORS_IR_DTYPES.get(entry["dtype"]) != dtype:
+            return None
+        shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
+        rows = _leading_rows(shape, index)
+        if rows is None:
+            return None
+        first, count = rows
+        row_bytes = (end - begin) // shape[0] if shape and shape[0] else end - begin
+        offset, length = begin + first * row_bytes, count * row_bytes
+        if length != _element_count(_sliced_shape(shape, index)) * dtype.itemsize:
+            return None  # a header that disagrees with itself: let the reader judge it
+        return FileRange((self.folder / file_name).resolve(), data_start + offset, length)
+
+    def _header(self, file_name: str) -> tuple[int, dict]:
+        """safetensors' layout: an 8-byte little-endian header size, a JSON header giving each
+        tensor's dtype, shape and byte range in the data that follows."""
+        if file_name not in self._headers:
+            with open(self.folder / file_name, "rb") as file:
+                size = int.from_bytes(file.read(8), "little")
+                self._headers[file_name] = (8 + size, json.loads(file.read(size)))
+        return self._headers[file_name]
+
     def tensor(self, name: str, index: Index, dtype: torch.dtype) -> torch.Tensor:
         if name in self.converted.groups:
             whole = self.converted.read(name, lambda key: self.handles[self.file_of[key]].get_tensor(key))
@@ -405,6 +452,32 @@ class SafetensorsWeights:
 
 # safetensors' dtype names of the floating types (torch converts any of them to any other).
 _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+# safetensors' dtype names -> ONNX's, for the types whose bytes both store alike (little-endian).
+_SAFETENSORS_IR_DTYPES = {
+    "F64": ir.DataType.DOUBLE, "F32": ir.DataType.FLOAT, "F16": ir.DataType.FLOAT16, "BF16": ir.DataType.BFLOAT16,
+    "I64": ir.DataType.INT64, "I32": ir.DataType.INT32, "I16": ir.DataType.INT16, "I8": ir.DataType.INT8,
+    "U8": ir.DataType.UINT8,
+}
+
+
+def _leading_rows(shape: tuple[int, ...], index: Index) -> tuple[int, int] | None:
+    """(first row, row count) when ``index`` keeps whole rows of a contiguous run along the first
+    axis and everything along the others; None for any other cut."""
+    if index is None or not shape:
+        return (0, shape[0] if shape else 1)
+    if len(index) > len(shape) or any(s.step not in (None, 1) for s in index):
+        return None
+    if any(s.indices(n) != (0, n, 1) for s, n in zip(index[1:], shape[1:], strict=False)):
+        return None
+    start, stop, _ = index[0].indices(shape[0])
+    return start, max(stop - start, 0)
+
+
+def _element_count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -464,12 +537,21 @@ def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> tuple[int
         if not (isinstance(placeholder, ir.ExternalTensor) and str(placeholder.location) == WEIGHT_PLACEHOLDER):
             raise RuntimeError(f"initializer {name} is not a weight placeholder")
 
-        def materialise(tensor_name=tensor_name, index=index, name=name,
-                        dtype=to_torch_dtype(placeholder.dtype)) -> ir.TensorProtocol:
-            return _to_ir(source.tensor(tensor_name, index, dtype), name)
+        def materialise(tensor_name=tensor_name, index=index, name=name, dtype=placeholder.dtype,
+                        shape=placeholder.shape) -> ir.TensorProtocol:
+            if stored := stored_bytes(source, tensor_name, index, dtype):
+                return ir.ExternalTensor(str(stored.path), stored.offset, stored.length, dtype, shape=shape, name=name)
+            return _to_ir(source.tensor(tensor_name, index, to_torch_dtype(dtype)), name)
 
         value.const_value = ir.LazyTensor(materialise, dtype=placeholder.dtype, shape=placeholder.shape, name=name)
     return len(recipes), {tensor_name for tensor_name, _ in recipes.values()}
+
+
+def stored_bytes(source: WeightSource, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
+    """Where ``source`` holds the bytes of ``name`` (its slice ``index``) in ``dtype`` as they are,
+    if it does (a checkpoint whose tensor has the package's dtype)."""
+    find = getattr(source, "stored_bytes", None)
+    return find(name, index, dtype) if find else None
 
 
 def recipes_to_json(recipes: Recipes) -> dict[str, list]:

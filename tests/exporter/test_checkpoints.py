@@ -124,6 +124,45 @@ def test_tied_copies_that_agree_are_read_as_one(tmp_path):
 
 
 @pytest.mark.l1
+def test_a_tensor_stored_in_the_packages_dtype_is_copied_from_its_checkpoint_bytes(gemma4_checkpoint):
+    """The byte range ``stored_bytes`` gives is the tensor (or its rows) as safetensors stores it;
+    a tensor the package stores in another dtype, or cut across columns, has none (it is read
+    and converted)."""
+    import onnx_ir as ir
+
+    from exporter.weights import SafetensorsWeights
+
+    folder = gemma4_checkpoint.folder
+    source = SafetensorsWeights(folder, {})
+    saved = load_file(str(folder / "model.safetensors"))
+
+    def read(stored):
+        with open(stored.path, "rb") as file:
+            file.seek(stored.offset)
+            return file.read(stored.length)
+
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    for key, tensor in saved.items():
+        assert read(source.stored_bytes(key, None, ir.DataType.FLOAT)) == tensor.numpy().tobytes(), key
+        assert source.stored_bytes(key, None, ir.DataType.FLOAT16) is None, key
+    table = saved["model.embed_tokens.weight"]
+    for rows in [(slice(3, 7),), (slice(3, 7), slice(None)), (slice(0, table.shape[0]), slice(0, table.shape[1]))]:
+        stored = source.stored_bytes("model.embed_tokens.weight", rows, ir.DataType.FLOAT)
+        assert read(stored) == table[rows].contiguous().numpy().tobytes(), rows
+    for cut in [(slice(None), slice(0, 4)), (slice(0, 8, 2),)]:
+        assert source.stored_bytes("model.embed_tokens.weight", cut, ir.DataType.FLOAT) is None, cut
+
+
+@pytest.mark.l1
+def test_a_streamed_package_writes_the_bytes_of_one_exported_from_memory(preset_exports):
+    """Weights copied from the checkpoint file land where the in-memory export writes the same
+    values: the two packages' weight files are equal byte for byte."""
+    streamed = preset_exports.get("tiny-gemma-4").package
+    in_memory = preset_exports.get("tiny-gemma-4", source="memory").package
+    assert (streamed.path / "model.onnx.data").read_bytes() == (in_memory.path / "model.onnx.data").read_bytes()
+
+
+@pytest.mark.l1
 @pytest.mark.parametrize("name", ["tiny-gemma-4", "tiny-llama"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_cast_gives_the_buffers_from_pretrained_gives(name, dtype, tmp_path):
