@@ -6,7 +6,7 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py --truncation          # prefill truncation on vs off, 128/512/1024
     python scripts/benchmark.py --fusions             # norm fusions on vs off (attention unchanged)
     python scripts/benchmark.py --attention           # GroupQueryAttention vs plain attention
-    python scripts/benchmark.py --tied-head           # tied LM head stored twice vs once
+    python scripts/benchmark.py --transposed-matmul   # weights read as stored vs transposed copies
     python scripts/benchmark.py tiny-gemma-4 --graph-capture   # WebGPU decode, graph capture on vs off
     python scripts/benchmark.py tiny-gemma-4 --max-lengths 1024 8192   # WebGPU decode at each max_length
     python scripts/benchmark.py --reexport            # re-export with other weights: graph cache vs none
@@ -49,9 +49,10 @@ def parse_args() -> argparse.Namespace:
                         help="compare GroupQueryAttention with plain attention: TTFT and decode at 512 tokens")
     parser.add_argument("--truncation", action="store_true",
                         help="compare prefill with the last-token passes on vs off (prompts 128/512/1024)")
-    parser.add_argument("--tied-head", action="store_true",
-                        help="compare a tied LM head stored twice (a transposed copy) with stored once "
-                             "(FusedMatMul transB): weights, TTFT and decode at the longest prompt")
+    parser.add_argument("--transposed-matmul", action="store_true",
+                        help="compare linear weights stored as transposed copies (a tied LM head twice) with "
+                             "read as stored (FusedMatMul transB): load time, weights, TTFT and decode at the "
+                             "longest prompt")
     parser.add_argument("--moe", action="store_true",
                         help="compare routed experts as MatMuls over gathered weights (plain) with ONNX Runtime's "
                              "MoE op: TTFT and decode at the longest prompt (default model: qwen3-moe-shape)")
@@ -410,30 +411,55 @@ def benchmark_fusions(args) -> None:
             print(f"| {length} | {unfused * 1000:.0f} | {fused * 1000:.0f} | {unfused / fused:.2f} |")
 
 
-def benchmark_tied_head(args) -> None:
-    """A tied LM head stored twice (the embedding table and a transposed copy for a MatMul) vs
-    once (FusedMatMul with transB reading the table as stored): package weights, TTFT and decode
-    tokens/s, alternating in one run."""
+def benchmark_transposed_matmul(args) -> None:
+    """Linear weights stored as transposed copies for MatMul (a tied LM head then twice: the
+    table and its transpose) vs read as stored by FusedMatMul with transB (the cpu profile):
+    session load seconds, package weights, TTFT and decode tokens/s, alternating in one run."""
     import dataclasses
 
     from ep_profiles import get_profile
     from exporter.sources import load
 
     loaded = load(args.model)
-    if loaded.model.get_output_embeddings().weight is not loaded.model.get_input_embeddings().weight:
-        raise SystemExit(f"{args.model} has no tied LM head")
     cpu = get_profile("cpu")
-    variants = {"stored twice": dataclasses.replace(cpu, name="cpu-transposed-copy", transposed_matmul=False),
-                "stored once": cpu}
+    variants = {"transposed copies": dataclasses.replace(cpu, name="cpu-transposed-copies", transposed_matmul=False),
+                "read as stored": cpu}
     length = args.prompt_lengths[-1]
     with tempfile.TemporaryDirectory() as scratch:
-        packages = export_variants(loaded, variants, scratch, "with the tied head ")
+        packages = export_variants(loaded, variants, scratch, "with its weights ")
+        loads = alternating_load_seconds(packages, args.repeats)
+        load_of = {id(packages[variant]): statistics.median(seconds) for variant, seconds in loads.items()}
         results = alternating_generation(packages, length, args.decode_tokens, args.repeats)
         print_generation_table(
-            f"Tied LM head, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, {args.decode_tokens} "
+            f"Linear weights, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, {args.decode_tokens} "
             f"decoded tokens (median of {args.repeats}, alternating)",
-            "tied head", packages, results, "stored twice", "twice",
-            ("weights MiB", lambda package: f"{package.report.initializers['total_bytes'] / 2**20:.1f}"))
+            "weights", packages, results, "transposed copies", "copies",
+            ("weights MiB / load s", lambda package: f"{package.report.initializers['total_bytes'] / 2**20:.1f} / "
+                                                      f"{load_of[id(package)]:.2f}"))
+
+
+def alternating_load_seconds(packages: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds ONNX Runtime GenAI takes to load each package (sessions created, weights packed),
+    variants taking turns, one discarded warm-up each."""
+    import gc
+
+    import onnxruntime_genai as og
+
+    def seconds(package) -> float:
+        start = time.perf_counter()
+        model = og.Model(str(package.path))
+        elapsed = time.perf_counter() - start
+        del model
+        gc.collect()
+        return elapsed
+
+    for package in packages.values():
+        seconds(package)
+    loads: dict[str, list[float]] = {variant: [] for variant in packages}
+    for repeat in range(repeats):
+        for variant in (list(packages) if repeat % 2 == 0 else list(reversed(packages))):
+            loads[variant].append(seconds(packages[variant]))
+    return loads
 
 
 def benchmark_mixture_of_experts(args) -> None:
@@ -579,8 +605,8 @@ def main() -> None:
     if args.max_lengths:
         benchmark_max_length(args)
         return
-    if args.tied_head:
-        benchmark_tied_head(args)
+    if args.transposed_matmul:
+        benchmark_transposed_matmul(args)
         return
     if args.moe:
         benchmark_mixture_of_experts(args)

@@ -12,14 +12,17 @@ import torch
 
 
 class FoldWeightTransposes:
-    """``Transpose(weight)`` whose weight feeds nothing else -> one transposed initializer, lazy
-    (computed when written), so a MatMul reads its weight as stored instead of transposing it at
-    every step. torch.onnx lowers linear layers that way, and constant folding leaves the
-    Transpose of any weight over its size limit (every weight of a full-size model).
-    A weight that has other readers (a tied LM head: the embedding's Gather reads it too) is kept
-    once where the EP runs a transposed MatMul: ``MatMul(x, Transpose(W))`` becomes
-    ``FusedMatMul(x, W, transB=1)``. Elsewhere it is folded too, stored twice, except in an int4
-    export, whose quantizer stores a tied table once and reads it through the Transpose."""
+    """torch.onnx lowers a linear layer as ``MatMul(x, Transpose(W))``; no MatMul should transpose
+    its weight at every step. Where the EP runs a transposed MatMul (the profile's
+    ``transposed_matmul``), it becomes ``FusedMatMul(x, W, transB=1)``, reading W as the checkpoint
+    stores it: nothing to transpose when the package is written (a weight kept in its checkpoint's
+    dtype is copied file to file), and a tied LM head is the embedding's table itself, stored once.
+    ONNX Runtime's CPU MatMul packs its weight at load either way (gemma-4-e2b-shape fp32: the same
+    load time, TTFT and decode speed, ``scripts/benchmark.py --transposed-matmul``).
+    Elsewhere ``Transpose(weight)`` becomes one transposed initializer, lazy (computed when
+    written); a weight with other readers (a tied head) is then stored twice, except in an int4
+    export, whose quantizer stores a tied table once and reads it through the Transpose (and
+    quantizes MatMuls only, so int4 keeps MatMul)."""
 
     name = "fold_weight_transposes"
 
@@ -28,7 +31,7 @@ class FoldWeightTransposes:
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
         fold_shared = facts.precision != "int4"
-        graph, folded, tied = model.graph, 0, 0
+        graph, folded, read_transposed, tied = model.graph, 0, 0, 0
         reshaped = 0
         for node in list(graph):  # in topological order: a Reshape/Transpose chain folds link by link
             if node.op_type == "Reshape" and node.domain == "":
@@ -40,8 +43,9 @@ class FoldWeightTransposes:
             if source is None or not source.is_initializer() or source.const_value is None or source in graph.outputs:
                 continue
             shared = len(source.uses()) > 1
-            if shared and fold_shared and facts.profile.transposed_matmul and _read_as_transposed(node, graph):
-                tied += 1
+            if fold_shared and facts.profile.transposed_matmul and _read_as_transposed(node, graph):
+                read_transposed += 1
+                tied += shared
                 continue
             if shared and not fold_shared:
                 continue
@@ -63,7 +67,8 @@ class FoldWeightTransposes:
                 graph.initializers.pop(source.name)
             graph.register_initializer(replacement)
             folded += 1
-        return {"weights_transposed": folded, "tied_weights_read_transposed": tied, "weights_reshaped": reshaped}
+        return {"weights_transposed": folded, "weights_read_transposed": read_transposed,
+                "tied_weights_read_transposed": tied, "weights_reshaped": reshaped}
 
 
 def _transposed(array: np.ndarray, perm: list[int]) -> np.ndarray:

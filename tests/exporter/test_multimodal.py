@@ -206,7 +206,8 @@ def test_speech_keeps_bias_add_out_of_skip_norms(package):
     ranks = {i.name: len(i.dims) for i in graph.initializer}
     producers = {output: node for node in graph.node for output in node.output}
     bias_adds = [n for n in graph.node if n.op_type == "Add" and any(ranks.get(x) == 1 for x in n.input)
-                 and any(producers.get(x) is not None and producers[x].op_type == "MatMul" for x in n.input)]
+                 and any(producers.get(x) is not None and producers[x].op_type in ("MatMul", "FusedMatMul")
+                         for x in n.input)]
     assert bias_adds, "the audio tower's output_proj (MatMul + bias Add) was not found"
     readers = {node.op_type for node in graph.node for add in bias_adds if add.output[0] in node.input}
     assert readers & {"Pow", "SimplifiedLayerNormalization"}, readers  # the embedder's RMSNorm
