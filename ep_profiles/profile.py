@@ -49,9 +49,10 @@ class EpProfile:
         export fails if it cannot make the graph so.
     max_length: a cap on genai_config's context_length / max_length, None for the model's own.
     transposed_matmul: whether the EP runs ``com.microsoft.FusedMatMul`` with ``transB`` (a MatMul
-        reading its weight transposed): every linear weight is then read as its checkpoint stores
+        reading its weight transposed): a float linear weight is then read as its checkpoint stores
         it (nothing transposed when the package is written), and a tied LM head reads the
-        embedding table itself, kept once instead of twice. False stores transposed copies.
+        embedding table itself, kept once instead of twice; int4 packages keep MatMuls for their
+        quantizer. False stores transposed copies.
     mixture_of_experts_precisions: the precisions at which routed-experts blocks with SiLU-gated
         experts become ONNX Runtime's ``com.microsoft.MoE``; empty: never (they stay MatMuls over
         weights gathered per routed token).

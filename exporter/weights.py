@@ -94,7 +94,7 @@ class WeightSource(Protocol):
         """What the source holds beyond the saved tensors ``read`` by the exported graph."""
         ...
 
-    # A source may also have ``stored_bytes(name, index, dtype) -> FileRange | None``: where a file
+    # A source may also have ``verbatim_range(name, index, dtype) -> FileRange | None``: where a file
     # holds those bytes as the package stores them (``SafetensorsWeights``).
 
 
@@ -408,7 +408,7 @@ class SafetensorsWeights:
             self._prefix = prefixes.most_common(1)[0][0] if prefixes else None
         return self._prefix
 
-    def stored_bytes(self, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
+    def verbatim_range(self, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
         """The bytes of ``name``, or of its slice ``index``, where a checkpoint file stores them in
         ``dtype`` as they are: a tensor kept in that dtype and unconverted, whole or cut along its
         first axis only (rows are contiguous in safetensors' row-major layout)."""
@@ -427,6 +427,8 @@ class SafetensorsWeights:
         first, count = rows
         row_bytes = (end - begin) // shape[0] if shape and shape[0] else end - begin
         offset, length = begin + first * row_bytes, count * row_bytes
+        if length == 0:
+            return None  # onnx_ir cannot read an empty range back; an empty tensor costs nothing anyway
         if length != _element_count(_sliced_shape(shape, index)) * dtype.itemsize:
             return None  # a header that disagrees with itself: let the reader judge it
         return FileRange((self.folder / file_name).resolve(), data_start + offset, length)
@@ -465,7 +467,7 @@ def _leading_rows(shape: tuple[int, ...], index: Index) -> tuple[int, int] | Non
     axis and everything along the others; None for any other cut."""
     if index is None or not shape:
         return (0, shape[0] if shape else 1)
-    if len(index) > len(shape) or any(s.step not in (None, 1) for s in index):
+    if not index or len(index) > len(shape) or any(s.step not in (None, 1) for s in index):
         return None
     if any(s.indices(n) != (0, n, 1) for s, n in zip(index[1:], shape[1:], strict=False)):
         return None
@@ -539,7 +541,10 @@ def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> tuple[int
 
         def materialise(tensor_name=tensor_name, index=index, name=name, dtype=placeholder.dtype,
                         shape=placeholder.shape) -> ir.TensorProtocol:
-            if stored := stored_bytes(source, tensor_name, index, dtype):
+            if stored := verbatim_range(source, tensor_name, index, dtype):
+                # An absolute path and no base_dir: onnx_ir's containment checks are for files a
+                # model names; this one is the checkpoint's own, which may be a symlink into the
+                # Hugging Face cache's blobs.
                 return ir.ExternalTensor(str(stored.path), stored.offset, stored.length, dtype, shape=shape, name=name)
             return _to_ir(source.tensor(tensor_name, index, to_torch_dtype(dtype)), name)
 
@@ -547,10 +552,10 @@ def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> tuple[int
     return len(recipes), {tensor_name for tensor_name, _ in recipes.values()}
 
 
-def stored_bytes(source: WeightSource, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
+def verbatim_range(source: WeightSource, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
     """Where ``source`` holds the bytes of ``name`` (its slice ``index``) in ``dtype`` as they are,
     if it does (a checkpoint whose tensor has the package's dtype)."""
-    find = getattr(source, "stored_bytes", None)
+    find = getattr(source, "verbatim_range", None)
     return find(name, index, dtype) if find else None
 
 

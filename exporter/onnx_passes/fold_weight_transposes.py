@@ -1,6 +1,7 @@
-"""Store weights in the layout their readers use: ``Transpose(weight)`` and ``Reshape(weight)``
-become one initializer, computed lazily when the package is written (a streamed weight is read
-once)."""
+"""No MatMul transposes or reshapes a weight at every step: where the EP runs a transposed MatMul
+it reads the weight as stored (``FusedMatMul`` with ``transB``); otherwise ``Transpose(weight)`` and
+``Reshape(weight)`` become one initializer in its readers' layout, computed lazily when the package
+is written (a streamed weight is read once)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class FoldWeightTransposes:
         return "MatMuls read their weights as stored instead of transposing them at every step"
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
-        fold_shared = facts.precision != "int4"
+        quantizing = facts.precision == "int4"
         graph, folded, read_transposed, tied = model.graph, 0, 0, 0
         reshaped = 0
         for node in list(graph):  # in topological order: a Reshape/Transpose chain folds link by link
@@ -43,11 +44,11 @@ class FoldWeightTransposes:
             if source is None or not source.is_initializer() or source.const_value is None or source in graph.outputs:
                 continue
             shared = len(source.uses()) > 1
-            if fold_shared and facts.profile.transposed_matmul and _read_as_transposed(node, graph):
+            if not quantizing and facts.profile.transposed_matmul and _read_as_transposed(node, graph):
                 read_transposed += 1
                 tied += shared
                 continue
-            if shared and not fold_shared:
+            if shared and quantizing:
                 continue
             tensor, out = source.const_value, node.outputs[0]
             rank = len(tensor.shape)
@@ -120,6 +121,8 @@ def _read_as_transposed(transpose: ir.Node, graph: ir.Graph) -> bool:
     weight, out = transpose.inputs[0], transpose.outputs[0]
     if len(weight.shape) != 2 or list(transpose.attributes.get_ints("perm", [1, 0])) != [1, 0]:
         return False
+    if weight.dtype != ir.DataType.FLOAT:
+        return False  # ONNX Runtime's CPU FusedMatMul is registered for float only
     readers = [node for node, index in out.uses()]
     if out in graph.outputs or not readers or any(
             node.op_type != "MatMul" or node.domain != "" or node.inputs[1] is not out for node in readers):

@@ -125,7 +125,7 @@ def test_tied_copies_that_agree_are_read_as_one(tmp_path):
 
 @pytest.mark.l1
 def test_a_tensor_stored_in_the_packages_dtype_is_copied_from_its_checkpoint_bytes(gemma4_checkpoint):
-    """The byte range ``stored_bytes`` gives is the tensor (or its rows) as safetensors stores it;
+    """The byte range ``verbatim_range`` gives is the tensor (or its rows) as safetensors stores it;
     a tensor the package stores in another dtype, or cut across columns, has none (it is read
     and converted)."""
     import onnx_ir as ir
@@ -143,14 +143,47 @@ def test_a_tensor_stored_in_the_packages_dtype_is_copied_from_its_checkpoint_byt
 
     assert {t.dtype for t in saved.values()} == {torch.float32}
     for key, tensor in saved.items():
-        assert read(source.stored_bytes(key, None, ir.DataType.FLOAT)) == tensor.numpy().tobytes(), key
-        assert source.stored_bytes(key, None, ir.DataType.FLOAT16) is None, key
+        assert read(source.verbatim_range(key, None, ir.DataType.FLOAT)) == tensor.numpy().tobytes(), key
+        assert source.verbatim_range(key, None, ir.DataType.FLOAT16) is None, key
     table = saved["model.embed_tokens.weight"]
     for rows in [(slice(3, 7),), (slice(3, 7), slice(None)), (slice(0, table.shape[0]), slice(0, table.shape[1]))]:
-        stored = source.stored_bytes("model.embed_tokens.weight", rows, ir.DataType.FLOAT)
+        stored = source.verbatim_range("model.embed_tokens.weight", rows, ir.DataType.FLOAT)
         assert read(stored) == table[rows].contiguous().numpy().tobytes(), rows
-    for cut in [(slice(None), slice(0, 4)), (slice(0, 8, 2),)]:
-        assert source.stored_bytes("model.embed_tokens.weight", cut, ir.DataType.FLOAT) is None, cut
+    for cut in [(slice(None), slice(0, 4)), (slice(0, 8, 2),), (slice(5, 5),)]:
+        assert source.verbatim_range("model.embed_tokens.weight", cut, ir.DataType.FLOAT) is None, cut
+
+
+@pytest.mark.l1
+def test_attach_copies_a_weight_in_the_packages_dtype_and_converts_the_others(gemma4_checkpoint, tmp_path):
+    """``attach`` gives a weight kept in its checkpoint's dtype as a range of the checkpoint file
+    (which onnx_ir copies file to file) and converts one kept in another dtype; both save the
+    checkpoint's values."""
+    import onnx
+    import onnx.numpy_helper
+    import onnx_ir as ir
+
+    from exporter.weights import WEIGHT_PLACEHOLDER, SafetensorsWeights, attach
+
+    folder = gemma4_checkpoint.folder
+    table = load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"]
+    rows = (slice(2, 6),)
+    graph = ir.Graph([], [], nodes=[], name="weights")
+    for name, dtype in [("as_stored", ir.DataType.FLOAT), ("converted", ir.DataType.FLOAT16)]:
+        placeholder = ir.ExternalTensor(WEIGHT_PLACEHOLDER, offset=None, length=None, dtype=dtype,
+                                        shape=ir.Shape(table[rows].shape), name=name)
+        value = ir.Value(name=name, shape=placeholder.shape, type=ir.TensorType(dtype), const_value=placeholder)
+        graph.register_initializer(value)
+        graph.outputs.append(value)
+    model = ir.Model(graph, ir_version=10)
+    recipe = ("model.embed_tokens.weight", rows)
+    attach(model, SafetensorsWeights(folder, {}), {"as_stored": recipe, "converted": recipe})
+    made = {name: value.const_value.raw() for name, value in graph.initializers.items()}
+    assert isinstance(made["as_stored"], ir.ExternalTensor) and not isinstance(made["converted"], ir.ExternalTensor)
+    ir.save(model, tmp_path / "model.onnx", external_data="model.onnx.data", size_threshold_bytes=0)
+    saved = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(tmp_path))
+             for t in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.initializer}
+    assert saved["as_stored"].tobytes() == table[rows].numpy().tobytes()
+    assert saved["converted"].tobytes() == table[rows].half().numpy().tobytes()
 
 
 @pytest.mark.l1

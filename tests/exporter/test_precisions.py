@@ -105,6 +105,16 @@ def test_int4_package_quantizes_every_linear_and_the_tied_embedding_once(trained
 
 
 @pytest.mark.l1
+def test_int4_cpu_package_keeps_matmuls_for_its_quantizer(trained):
+    """On cpu a float weight is read as stored by FusedMatMul; at int4 every linear stays a MatMul
+    that the quantizer turns into MatMulNBits (none is left in float)."""
+    package = trained[2]["int4-cpu"]
+    counts, quantization = package.report.op_counts, package.report.onnx_pass_changes("quantize_int4")
+    assert "com.microsoft.FusedMatMul" not in counts
+    assert quantization["matmuls"] == counts["com.microsoft.MatMulNBits"] > 0
+
+
+@pytest.mark.l1
 def test_bf16_package_for_cuda_builds_in_bf16(tmp_path):
     model, tokenizer = build_preset("tiny-llama")
     package = export(model, tokenizer, ep="cuda", precision="bf16", output_dir=tmp_path / "bf16")
