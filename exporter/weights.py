@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import re
 import zlib
 from collections.abc import Callable
@@ -94,8 +95,10 @@ class WeightSource(Protocol):
         """What the source holds beyond the saved tensors ``read`` by the exported graph."""
         ...
 
-    # A source may also have ``verbatim_range(name, index, dtype) -> FileRange | None``: where a file
-    # holds those bytes as the package stores them (``SafetensorsWeights``).
+    def verbatim_range(self, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
+        """Where a file holds the bytes of ``name`` (its slice ``index``) in ``dtype`` as the package
+        stores them, if one does (a checkpoint whose tensor has the package's dtype)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,9 @@ class RandomWeights:
     def unread(self, read: set[str]) -> UnreadTensors:
         return UnreadTensors()  # nothing is stored: every tensor is drawn when read
 
+    def verbatim_range(self, name: str, index: Index, dtype: ir.DataType) -> None:
+        return None  # drawn, not stored
+
     def tensor(self, name: str, index: Index, dtype: torch.dtype) -> torch.Tensor:
         shape = _sliced_shape(self.shapes[name], index)
         if len(shape) < 2:
@@ -205,6 +211,9 @@ class ModelWeights:
 
     def unread(self, read: set[str]) -> UnreadTensors:
         return UnreadTensors()  # the model's tensors are the saved tensors: nothing else to account for
+
+    def verbatim_range(self, name: str, index: Index, dtype: ir.DataType) -> None:
+        return None  # in memory, not in a file
 
 
 def _open_safetensors(path: Path):
@@ -422,16 +431,13 @@ class SafetensorsWeights:
             return None
         shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
         rows = _leading_rows(shape, index)
-        if rows is None:
-            return None
+        if rows is None or end - begin != math.prod(shape) * dtype.itemsize:
+            return None  # another cut, or a header that disagrees with itself: the reader judges it
         first, count = rows
-        row_bytes = (end - begin) // shape[0] if shape and shape[0] else end - begin
-        offset, length = begin + first * row_bytes, count * row_bytes
-        if length == 0:
+        row_bytes = int(math.prod(shape[1:]) * dtype.itemsize)
+        if count * row_bytes == 0:
             return None  # onnx_ir cannot read an empty range back; an empty tensor costs nothing anyway
-        if length != _element_count(_sliced_shape(shape, index)) * dtype.itemsize:
-            return None  # a header that disagrees with itself: let the reader judge it
-        return FileRange((self.folder / file_name).resolve(), data_start + offset, length)
+        return FileRange((self.folder / file_name).resolve(), data_start + begin + first * row_bytes, count * row_bytes)
 
     def _header(self, file_name: str) -> tuple[int, dict]:
         """safetensors' layout: an 8-byte little-endian header size, a JSON header giving each
@@ -473,13 +479,6 @@ def _leading_rows(shape: tuple[int, ...], index: Index) -> tuple[int, int] | Non
         return None
     start, stop, _ = index[0].indices(shape[0])
     return start, max(stop - start, 0)
-
-
-def _element_count(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -539,24 +538,22 @@ def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> tuple[int
         if not (isinstance(placeholder, ir.ExternalTensor) and str(placeholder.location) == WEIGHT_PLACEHOLDER):
             raise RuntimeError(f"initializer {name} is not a weight placeholder")
 
-        def materialise(tensor_name=tensor_name, index=index, name=name, dtype=placeholder.dtype,
-                        shape=placeholder.shape) -> ir.TensorProtocol:
-            if stored := verbatim_range(source, tensor_name, index, dtype):
+        dtype, shape = placeholder.dtype, placeholder.shape
+        stored = source.verbatim_range(tensor_name, index, dtype)
+
+        # Made anew at each read, so a pass that reads a weight (a transpose, int4 blocks) maps or
+        # holds it only while it reads it.
+        def materialise(tensor_name=tensor_name, index=index, name=name, dtype=dtype, shape=shape,
+                        stored=stored) -> ir.TensorProtocol:
+            if stored:
                 # An absolute path and no base_dir: onnx_ir's containment checks are for files a
                 # model names; this one is the checkpoint's own, which may be a symlink into the
                 # Hugging Face cache's blobs.
                 return ir.ExternalTensor(str(stored.path), stored.offset, stored.length, dtype, shape=shape, name=name)
             return _to_ir(source.tensor(tensor_name, index, to_torch_dtype(dtype)), name)
 
-        value.const_value = ir.LazyTensor(materialise, dtype=placeholder.dtype, shape=placeholder.shape, name=name)
+        value.const_value = ir.LazyTensor(materialise, dtype=dtype, shape=shape, name=name)
     return len(recipes), {tensor_name for tensor_name, _ in recipes.values()}
-
-
-def verbatim_range(source: WeightSource, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
-    """Where ``source`` holds the bytes of ``name`` (its slice ``index``) in ``dtype`` as they are,
-    if it does (a checkpoint whose tensor has the package's dtype)."""
-    find = getattr(source, "verbatim_range", None)
-    return find(name, index, dtype) if find else None
 
 
 def recipes_to_json(recipes: Recipes) -> dict[str, list]:
