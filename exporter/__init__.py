@@ -1,21 +1,23 @@
 """Export Hugging Face decoder LMs to ONNX Runtime GenAI packages, through torch.export."""
 
 from exporter.errors import ExporterError
-from exporter.onnx_passes.quantize_int4 import Int4Options
-from exporter.pipeline import ExportedPackage, export
+from exporter.int4_options import Int4Options
 
 __all__ = ["ExportOnSave", "ExportedPackage", "ExporterError", "Int4Options", "export"]
 
+# Imported at first use: the pipeline imports torch and transformers (seconds), which a replayed
+# command-line export (``exporter.replay``) never needs; ExportOnSave also the Trainer's utilities
+# (and peft where installed).
+_LAZY = {"export": "exporter.pipeline", "ExportedPackage": "exporter.pipeline", "ExportOnSave": "exporter.training"}
+
 
 def __getattr__(name: str):
-    # ExportOnSave is a transformers TrainerCallback, whose module imports the Trainer's utilities
-    # (and peft where installed): about 0.4 s that an export alone does not need.
-    if name == "ExportOnSave":
-        from exporter.training import ExportOnSave
+    if name in _LAZY:
+        import importlib
 
-        return ExportOnSave
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'exporter' has no attribute '{name}'")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), "ExportOnSave"})
+    return sorted({*globals(), *_LAZY})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import signal
@@ -14,12 +15,16 @@ from pathlib import Path
 from ep_profiles import PROFILES, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter.errors import ExporterError, environment_error
-from exporter.onnx_passes.quantize_int4 import Int4Options
-from exporter.pipeline import export
+from exporter import replay
+from exporter.cache_folder import chosen_folder
+from exporter.int4_options import Int4Options
+from exporter.package import REPORT_FILENAME
 from exporter.precisions import PRECISIONS, choose_precision
-from exporter.presets import DEFAULT_PRESET
-from exporter.report import describe_graph_cache
-from exporter.sources import describe_sources
+from exporter.preset_names import DEFAULT_PRESET, PRESET_NAMES
+from exporter.report import describe_graph_cache, package_summary
+
+# The command line imports torch and transformers only once it exports something, so that a
+# replayed export (``exporter.replay``) never does.
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -57,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "report gives the KV cache's size at it")
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--no-cache", dest="cache", action="store_false",
-                       help="do not read or keep lowered graphs in the graph cache (by default a re-export of "
-                            "the same architecture and options with other weights reuses them: "
+                       help="do not read or keep lowered graphs and replays in the cache (by default a re-export "
+                            "of the same architecture and options with other weights reuses the graph, and a "
+                            "folder whose other files are the same replays the package: "
                             "$XDG_CACHE_HOME/genai-exporter/graphs; off also with GENAI_EXPORTER_NO_CACHE=1)")
     cache.add_argument("--cache-dir", type=Path, metavar="DIR",
-                       help="keep the graph cache in DIR instead (used even where GENAI_EXPORTER_NO_CACHE is set)")
+                       help="keep the cache in DIR instead (used even where GENAI_EXPORTER_NO_CACHE is set)")
     parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds an earlier package")
     parser.add_argument("--full-logits", action="store_true",
                         help="output logits for every position (for scoring); by default only each "
@@ -96,6 +102,8 @@ def program() -> str:
 
 
 def _list(argv: list[str]) -> int:
+    from exporter.sources import describe_sources
+
     argparse.ArgumentParser(prog=f"{program()} list", description="List presets, aliases and EP profiles.").parse_args(argv)
     print("Models (presets work offline):")
     for name, description in describe_sources():
@@ -238,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or Path(f"{model_name}-{args.ep}-{precision}")
     print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)
     with _sigterm_as_interrupt():
-        return _export(args, output, int4)
+        return _export(args, output, int4, _replay_inputs(args, precision, int4))
 
 
 class Terminated(KeyboardInterrupt):
@@ -260,8 +268,46 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _export(args, output: Path, int4) -> int:
+@dataclasses.dataclass(frozen=True)
+class ReplayInputs:
+    """What a replay of this command's export is keyed on (``exporter.replay``)."""
+
+    root: Path
+    folder: Path
+    ingredients: dict
+
+
+def _replay_inputs(args, precision: str, int4: Int4Options | None) -> ReplayInputs | None:
+    """The replay key's inputs, where this command could replay or record one: a folder of
+    safetensors, the cache on, and no option that builds or runs other code."""
+    root = chosen_folder(args.cache_dir or True) if args.cache else None
+    folder = Path(str(args.model)).expanduser()
+    if root is None or args.random_weights or args.trust_remote_code or str(args.model) in PRESET_NAMES:
+        return None  # a preset's name exports the preset even where a folder has that name
+    if not folder.is_dir():
+        return None
+    if not any(folder.glob("*.safetensors")):
+        return None
+    options = {"ep": args.ep, "precision": precision, "graph_capture": args.graph_capture,
+               "full_logits": args.full_logits, "strict": args.strict, "text_only": args.text_only,
+               "int4": dataclasses.asdict(int4) if int4 else None, "int4_encoders": args.int4_encoders,
+               "max_length": args.max_length, "allow_pickled_weights": args.allow_pickled_weights}
     try:
+        return ReplayInputs(root, folder, replay.fingerprint(folder, options))
+    except (OSError, ValueError):  # an unreadable file or header: the export says what is wrong
+        return None
+
+
+def _export(args, output: Path, int4, replay_inputs: ReplayInputs | None) -> int:
+    try:
+        if replay_inputs is not None:
+            print("  looking for a replay of this folder's export ...", file=sys.stderr)
+            replayed = replay.replay(replay_inputs.root, replay_inputs.ingredients, replay_inputs.folder, output,
+                                     args.overwrite)
+            if replayed is not None:
+                return _print_result(args, replayed.path, replayed.report)
+        from exporter.pipeline import export
+
         result = export(
             args.model,
             ep=args.ep,
@@ -299,17 +345,44 @@ def _export(args, output: Path, int4) -> int:
         if args.debug:
             raise
         return _unexpected(args, error)
+    if replay_inputs is not None:
+        print(f"replay: {_record_replay(replay_inputs, result)}", file=sys.stderr)
+    return _print_result(args, result.path, result.report)
+
+
+def _record_replay(inputs: ReplayInputs, result) -> str:
+    """Records the package as a replay for later exports of this folder's architecture; says
+    whether it did, and why not."""
+    from exporter import graph_cache
+
+    if result.copied_weights is None:
+        return ("not recorded: a weight was converted or read by a pass (only packages whose weights are "
+                "copied as the checkpoint stores them replay)")
+    try:
+        if replay.fingerprint(inputs.folder, inputs.ingredients["options"]) != inputs.ingredients:
+            return "not recorded: the folder changed during the export"
+        report = json.loads((result.path / REPORT_FILENAME).read_text())
+        why_not = replay.record(inputs.root, inputs.ingredients, inputs.folder, result.path, result.copied_weights,
+                                report)
+        if why_not is None:
+            with contextlib.suppress(OSError):  # another export pruning the same cache
+                graph_cache.prune(inputs.root, keep=inputs.root / replay.key_of(inputs.ingredients))
+    except OSError as error:
+        why_not = f"the cache could not be written ({error.strerror or error})"
+    return f"not recorded: {why_not}" if why_not else f"recorded ({replay.key_of(inputs.ingredients)[:12]})"
+
+
+def _print_result(args, path: Path, report) -> int:
     if args.json:
-        print(json.dumps(result.summary(), indent=2))
+        print(json.dumps(package_summary(path, report), indent=2))
         return 0
-    report = result.report
     nodes = sum(sum(s.op_counts.values()) for s in report.sessions.values())
     weight_bytes = sum(s.initializers["total_bytes"] for s in report.sessions.values())
     sessions = f" in {len(report.sessions)} sessions ({', '.join(report.sessions)})" if len(report.sessions) > 1 else ""
     print(
-        f"Wrote {result.path} in {report.total_seconds:.1f} s: {nodes} ONNX nodes{sessions}, "
+        f"Wrote {path} in {report.total_seconds:.1f} s: {nodes} ONNX nodes{sessions}, "
         f"{weight_bytes / 2**20:.1f} MiB of weights, "
-        f"{len(result.layout.kv_layers)} KV-cache layers of {result.layout.num_layers}"
+        f"{len(report.layout['kv_layers'])} KV-cache layers of {report.layout['num_layers']}"
     )
     print(f"graph cache: {describe_graph_cache(report.graph_cache)}")
     for note in report.notes:

@@ -34,17 +34,14 @@ import dataclasses
 import enum
 import functools
 import hashlib
-import importlib.metadata
 import inspect
 import json
 import os
-import platform
 import re
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,20 +52,22 @@ import onnx_ir as ir
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from exporter import weights
-from exporter.errors import ExporterError
+from exporter import fingerprints, weights
+from exporter.cache_folder import (  # noqa: F401 (the cache's API)
+    KEY_FILENAME,
+    NO_CACHE_VARIABLE,
+    chosen_folder,
+    default_folder,
+)
 
 FORMAT = 1
 # The least recently used entries go once the cache holds more than this.
 MAX_BYTES = 4 << 30
-NO_CACHE_VARIABLE = "GENAI_EXPORTER_NO_CACHE"
-KEY_FILENAME = "key.json"
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{32}$")
+_TORN_ENTRY_WRITE = re.compile(r"^\.[0-9a-f]{32}\.")
 # A hidden file this old in an entry is a write that was killed (a write takes seconds).
 _TORN_WRITE_SECONDS = 3600
 _LIBRARIES = ("torch", "transformers", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "numpy")
-_PROJECT_ROOT = Path(__file__).resolve().parents[1]
-_PROJECT_PACKAGES = ("exporter", "fx_passes", "ep_profiles")
 _CONFIG_FIELDS_OUTSIDE_KEY = ("_name_or_path", "transformers_version", "_commit_hash")
 
 
@@ -87,25 +86,6 @@ class LoweredSession:
 
     def model(self) -> ir.Model:
         return ir.serde.deserialize_model(onnx.ModelProto.FromString(self.model_proto))
-
-
-def default_folder() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "genai-exporter" / "graphs"
-
-
-def chosen_folder(cache: bool | str | Path) -> Path | None:
-    """The cache folder ``export(cache=...)`` asks for: None where the cache is off. A folder named
-    by the caller is used even where ``GENAI_EXPORTER_NO_CACHE`` is set (the variable turns off the
-    default folder)."""
-    if cache is False:
-        return None
-    if cache is True:
-        turned_off = os.environ.get(NO_CACHE_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
-        return None if turned_off else default_folder()
-    if not isinstance(cache, (str, Path)) or not str(cache):
-        raise ExporterError(f"cache must be True, False or a folder, not {cache!r}")
-    return Path(cache).expanduser()
 
 
 class GraphCache:
@@ -163,9 +143,16 @@ def prune(root: Path, keep: Path, max_bytes: int = MAX_BYTES) -> list[Path]:
     """Remove the least recently used entries until the cache holds at most ``max_bytes`` (never
     ``keep``, the entry just written), and files left by writes that were killed. Only folders that
     are entries (a key's name, holding a key record) are touched: a cache folder the user named may
-    hold other things. Returns the entries it removed."""
+    hold other things. Returns the entries it removed. Entries are the graph cache's and the command
+    line's replays (``exporter.replay``), whose records are written as a hidden folder renamed into
+    place: one left by a killed write is removed too."""
     entries, total = [], 0
     for folder in root.iterdir():
+        if _TORN_ENTRY_WRITE.match(folder.name) and folder.is_dir():
+            with contextlib.suppress(OSError):
+                if time.time() - folder.stat().st_mtime > _TORN_WRITE_SECONDS:
+                    shutil.rmtree(folder)
+            continue
         if not (_ENTRY_NAME.match(folder.name) and (folder / KEY_FILENAME).is_file()):
             continue
         try:
@@ -203,9 +190,9 @@ def key_ingredients(model: torch.nn.Module, weight_source: weights.WeightSource,
                 "so no key can see its code")
     return {
         "format": FORMAT,
-        "exporter": _project_digest(),
-        "python": platform.python_version(),
-        "libraries": {name: _version(name) for name in _LIBRARIES},
+        "exporter": fingerprints.project_digest(),
+        "python": fingerprints.python_version(),
+        "libraries": fingerprints.versions(_LIBRARIES),
         "model_class": _qualified_name(type(model)),
         "config": _config_values(model.config),
         "implementations": _implementations(model),
@@ -438,32 +425,11 @@ def _relative(path: str) -> str:
     return path
 
 
-def _project_digest() -> str:
-    digest = hashlib.sha256()
-    for path in sorted(_project_files()):
-        digest.update(path.relative_to(_PROJECT_ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def _project_files() -> Iterator[Path]:
-    for package in _PROJECT_PACKAGES:
-        for path in (_PROJECT_ROOT / package).rglob("*"):
-            if path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
-                yield path
-
-
 def _tensor_digest(tensor: torch.Tensor) -> str:
     if tensor.device.type == "meta" or isinstance(tensor, FakeTensor):
         return f"{list(tensor.shape)} {tensor.dtype} (no values)"
     values = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)  # any dtype, float8 too
     return hashlib.sha256(values.numpy().tobytes()).hexdigest() + f" {list(tensor.shape)} {tensor.dtype}"
-
-
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def _qualified_name(cls: type) -> str:

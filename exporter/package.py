@@ -11,9 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import onnx_ir as ir
+from typing import TYPE_CHECKING, Any
 
 from exporter.errors import ExporterError, os_error_in
 
@@ -25,12 +23,17 @@ REPORT_MARKDOWN_FILENAME = "export_report.md"
 # Tensors of at most this many bytes stay inside model.onnx (onnx_ir's default); the rest go to .data.
 INLINE_TENSOR_BYTES = 256
 
+if TYPE_CHECKING:  # a replayed export writes its package without importing onnx_ir
+    import onnx_ir as ir
+
 
 def save_model(model: ir.Model, folder: Path, filename: str = MODEL_FILENAME,
                on_tensor: Callable[[int], None] | None = None) -> None:
     """The model as ``filename`` (which may name a session's subfolder) with its weights as
     external data beside it (``<name>.data``, a path relative to the model file);
     ``on_tensor(bytes)`` is called as each external tensor is written."""
+    import onnx_ir as ir
+
     path = folder / filename
     path.parent.mkdir(parents=True, exist_ok=True)
     callback = (lambda tensor, info: on_tensor(tensor.nbytes)) if on_tensor else None

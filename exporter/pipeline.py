@@ -28,12 +28,12 @@ from exporter.layout import DecoderLayout
 from exporter.lower import lower
 from exporter.onnx_passes import ONNX_PASSES, run_onnx_passes
 from exporter.onnx_passes.norm_fusions import FusionDidNotApply
-from exporter.onnx_passes.quantize_int4 import Int4Options
+from exporter.int4_options import Int4Options
 from exporter.plan import ExportPlan, ExportSettings, export_settings, make_plan
 from exporter.precisions import PRECISIONS, choose_precision, int4_options
 from exporter.prepare import prepare
 from exporter.progress import ProgressDisplay
-from exporter.report import ExportReport, SessionReport
+from exporter.report import ExportReport, SessionReport, package_summary
 from exporter.sessions import SESSIONS
 from exporter.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
@@ -48,6 +48,10 @@ class ExportedPackage:
     report: ExportReport
     layout: DecoderLayout
     plan: ExportPlan
+    # Each session file -> its weight initializers -> the checkpoint ranges their bytes were copied
+    # from; None where any weight was converted or read before writing (what a command-line
+    # replay needs: ``exporter.replay``).
+    copied_weights: dict[str, dict[str, weights.FileRange]] | None = None
 
     @property
     def model_path(self) -> Path:
@@ -60,37 +64,7 @@ class ExportedPackage:
     def summary(self) -> dict[str, Any]:
         """What CI scripts read (``--json``): where the package is, its sessions, sizes, passes,
         stage timings and notes; the full record is the package's export_report.json."""
-        report = self.report
-        return {
-            "ok": True,
-            "package": str(self.path.resolve()),
-            "source": report.source,
-            "ep": report.ep,
-            "precision": report.precision,
-            "seconds": round(report.total_seconds, 3),
-            "layers": self.layout.num_layers,
-            "kv_cache_layers": len(self.layout.kv_layers),
-            "kv_cache": report.kv_cache,
-            "graph_cache": report.graph_cache,
-            "sessions": {
-                name: {
-                    "file": session.filename,
-                    "onnx_nodes": sum(session.op_counts.values()),
-                    "weight_tensors": session.initializers["count"],
-                    "weight_bytes": session.initializers["total_bytes"],
-                    "fx_passes": [p["name"] for p in session.fx_passes],
-                    "onnx_passes": [p["name"] for p in session.onnx_passes],
-                    "lowering": session.lowering,  # empty for a graph-cache hit
-                }
-                for name, session in report.sessions.items()
-            },
-            "package_bytes": sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file()),
-            "files": {p.relative_to(self.path).as_posix(): p.stat().st_size
-                      for p in sorted(self.path.rglob("*")) if p.is_file()},
-            "stages": [{"name": stage["name"], "seconds": round(stage["seconds"], 3),
-                        "peak_rss_bytes": stage["peak_rss_bytes"]} for stage in report.stages],
-            "notes": report.notes,
-        }
+        return package_summary(self.path, self.report)
 
 
 def _without_cyclic_collection(function: Callable) -> Callable:
@@ -195,14 +169,19 @@ def export(
 
     cached_graphs = _graph_cache(cache_folder, cache is False, prepared, settings, plan, report)
 
-    models, attached, read = {}, 0, set()
+    models, readers = {}, {}
     for session_plan in plan.sessions:
         session = SESSIONS[session_plan.name]
-        models[session.name], count, session_read, settings = _export_session(
+        models[session.name], readers[session.name], settings = _export_session(
             session, session_plan, prepared, settings, report, stages, cached_graphs)
-        attached, read = attached + count, read | session_read
+    every_reader = [reader for session_readers in readers.values() for reader in session_readers]
     if loaded.weights is not None:
-        report.notes += weights.account(loaded.weights, attached, read, strict)
+        report.notes += weights.account(loaded.weights, len(every_reader),
+                                        {reader.tensor_name for reader in every_reader}, strict)
+    copied = {SESSIONS[name].filename(settings): weights.copied_weights(model, readers[name])
+              for name, model in models.items()}
+    if isinstance(loaded.weights, weights.SafetensorsWeights) and loaded.weights.compared_values:
+        copied = {name: None for name in copied}
 
     package_bytes = _package_bytes(report, tokenizer_bytes)
     destination.require_space(target, package_bytes)
@@ -213,7 +192,8 @@ def export(
         if mapped := environment_error(error, package_bytes, where=target.path):
             raise mapped from error
         raise
-    return ExportedPackage(output_dir, report, settings.layout, plan)
+    return ExportedPackage(output_dir, report, settings.layout, plan,
+                           None if None in copied.values() else copied)
 
 
 def _write_package(staging: Path, models, loaded, settings: ExportSettings, report: ExportReport,
@@ -274,9 +254,9 @@ def _fewest_weight_bytes(prepared, settings: ExportSettings, plan: ExportPlan) -
 def _export_session(session, session_plan, prepared, settings: ExportSettings, report: ExportReport,
                     stages: StageLog, cached_graphs: tuple[graph_cache.GraphCache, dict] | None):
     """One session: its lowered graph from the cache, or trace -> FX passes -> lower; then weights
-    attached lazily -> ONNX passes -> post-conditions. Returns its ONNX model, how many initializers
-    read the weight source, which saved tensors they read, and the settings with the decoder layers
-    that kept plain attention."""
+    attached lazily -> ONNX passes -> post-conditions. Returns its ONNX model, the readers of its
+    weights (``weights.attach``), and the settings with the decoder layers that kept plain
+    attention."""
     session_report = report.sessions[session.name] = SessionReport(session.filename(settings))
     lowered = cached_graphs[0].read(session.name) if cached_graphs is not None else None
     if lowered is not None:
@@ -294,13 +274,13 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
     report.notes += _fx_pass_notes(session_plan, lowered.fx_passes)
     settings = _with_plain_attention_layers(settings, session, lowered.fx_passes)
     with stages.stage(_stage("onnx_passes", session, settings)):
-        attached, read = weights.attach(onnx_model, prepared.weight_source, lowered.recipes)
+        readers = weights.attach(onnx_model, prepared.weight_source, lowered.recipes)
         _run_onnx_passes(onnx_model, session_plan, settings, session_report)
         postconditions.require(onnx_model, settings, session)
         if note := postconditions.uncaptured_cpu_note(onnx_model, settings, session):
             report.notes.append(note)
     session_report.describe_graph(onnx_model)
-    return onnx_model, attached, read, settings
+    return onnx_model, readers, settings
 
 
 def _lower_session(session, session_plan, prepared, settings: ExportSettings, stages: StageLog):

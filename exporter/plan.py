@@ -18,7 +18,7 @@ from ep_profiles import EpProfile
 from exporter.layout import DecoderLayout
 from exporter.multimodal import MultimodalFacts
 from exporter.onnx_passes import ONNX_PASSES
-from exporter.onnx_passes.quantize_int4 import Int4Options
+from exporter.int4_options import Int4Options
 from exporter.precisions import PRECISIONS
 from exporter.sessions import SESSIONS
 from fx_passes import FX_PASSES

@@ -9,18 +9,22 @@ computes in it). ``int4`` stores 4-bit weights and computes in the profile's ``i
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ep_profiles import EpProfile
 from exporter.errors import ExporterError
-from exporter.onnx_passes.quantize_int4 import Int4Options
+from exporter.int4_options import Int4Options
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class Precision:
     name: str
-    dtype: torch.dtype | None  # what the graph computes in; None: the profile's int4_activations
+    # What the graph computes in, as torch names it (a name, so that the command line reads this
+    # policy without importing torch); None: the profile's int4_activations.
+    dtype_name: str | None
     weight_bytes: float  # bytes per stored weight element (int4: 4 bits + an fp16 scale per 32)
     # How far below the CPU's best logit an EP's token may be where the two generations part
     # (``check``): EPs sum in other orders, so a near tie may go either way.
@@ -31,7 +35,9 @@ class Precision:
     source_near_tie: float
 
     def compute_dtype(self, profile: EpProfile) -> torch.dtype:
-        return self.dtype if self.dtype is not None else PRECISIONS[profile.int4_activations].dtype
+        import torch
+
+        return getattr(torch, self.dtype_name or PRECISIONS[profile.int4_activations].dtype_name)
 
 
 # ep_near_tie: fp32 kernels agree to ~1e-5; fp16 logits round at ~0.015 near Gemma's soft cap of
@@ -44,9 +50,9 @@ class Precision:
 PRECISIONS: dict[str, Precision] = {
     p.name: p
     for p in (
-        Precision("fp32", torch.float32, 4, ep_near_tie=1e-3, source_logits=1e-3, source_near_tie=1e-3),
-        Precision("fp16", torch.float16, 2, ep_near_tie=0.25, source_logits=0.25, source_near_tie=0.25),
-        Precision("bf16", torch.bfloat16, 2, ep_near_tie=0.5, source_logits=1.0, source_near_tie=0.5),
+        Precision("fp32", "float32", 4, ep_near_tie=1e-3, source_logits=1e-3, source_near_tie=1e-3),
+        Precision("fp16", "float16", 2, ep_near_tie=0.25, source_logits=0.25, source_near_tie=0.25),
+        Precision("bf16", "bfloat16", 2, ep_near_tie=0.5, source_logits=1.0, source_near_tie=0.5),
         Precision("int4", None, 0.5625, ep_near_tie=0.5, source_logits=3.0, source_near_tie=1.0),
     )
 }

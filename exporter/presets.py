@@ -301,9 +301,6 @@ PRESETS: dict[str, Preset] = {
     )
 }
 
-DEFAULT_PRESET = "tiny-gemma-4"
-
-
 def train_tokenizer(vocab_size: int, extra_special_tokens: tuple[str, ...] = (),
                     special_token_ids: dict[str, int] | None = None) -> transformers.PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on the built-in text, with Gemma's special-token ids

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import onnx_ir as ir
+if TYPE_CHECKING:  # a replayed export writes its report without importing onnx_ir
+    import onnx_ir as ir
 
 
 def op_counts(model: ir.Model) -> dict[str, int]:
@@ -122,6 +124,12 @@ class ExportReport:
             "notes": self.notes,
         }
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ExportReport:
+        """The report ``to_dict`` gave (its total is recomputed from the stages)."""
+        fields = {k: v for k, v in values.items() if k not in ("total_seconds", "sessions")}
+        return cls(**fields, sessions={name: SessionReport(**s) for name, s in values["sessions"].items()})
+
     def to_markdown(self) -> str:
         mib = 1024 * 1024
         lines = [
@@ -146,6 +154,40 @@ class ExportReport:
         for name, session in self.sessions.items():
             lines += _session_markdown(name, session)
         return "\n".join(lines) + "\n"
+
+
+def package_summary(path: Path, report: ExportReport) -> dict[str, Any]:
+    """What CI scripts read (``--json``): where the package is, its sessions, sizes, passes, stage
+    timings and notes; the full record is the package's export_report.json."""
+    return {
+        "ok": True,
+        "package": str(path.resolve()),
+        "source": report.source,
+        "ep": report.ep,
+        "precision": report.precision,
+        "seconds": round(report.total_seconds, 3),
+        "layers": report.layout["num_layers"],
+        "kv_cache_layers": len(report.layout["kv_layers"]),
+        "kv_cache": report.kv_cache,
+        "graph_cache": report.graph_cache,
+        "sessions": {
+            name: {
+                "file": session.filename,
+                "onnx_nodes": sum(session.op_counts.values()),
+                "weight_tensors": session.initializers["count"],
+                "weight_bytes": session.initializers["total_bytes"],
+                "fx_passes": [p["name"] for p in session.fx_passes],
+                "onnx_passes": [p["name"] for p in session.onnx_passes],
+                "lowering": session.lowering,  # empty for a graph-cache hit or a replay
+            }
+            for name, session in report.sessions.items()
+        },
+        "package_bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
+        "files": {p.relative_to(path).as_posix(): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()},
+        "stages": [{"name": stage["name"], "seconds": round(stage["seconds"], 3),
+                    "peak_rss_bytes": stage["peak_rss_bytes"]} for stage in report.stages],
+        "notes": report.notes,
+    }
 
 
 def describe_graph_cache(cache: dict[str, Any]) -> str:

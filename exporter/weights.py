@@ -289,6 +289,9 @@ class SafetensorsWeights:
         # Keys of parts of the checkpoint the export leaves out on purpose, and why.
         self.left_out: frozenset[str] = frozenset()
         self.left_out_why = ""
+        # Whether match() compared values (a tied tensor saved under two keys): a check of this
+        # checkpoint's values, which a replay (``exporter.replay``) of another would not make.
+        self.compared_values = False
 
     def match(self, model: torch.nn.Module) -> None:
         """Find the key(s) of every saved tensor of ``model`` (on meta will do) and check its shape
@@ -354,6 +357,7 @@ class SafetensorsWeights:
             keys = sorted({self.key_for[n] for n in names if n in self.key_for})
             if name != names[0] or len(keys) < 2:
                 continue
+            self.compared_values = True
             first = self.handles[self.file_of[keys[0]]].get_tensor(keys[0])
             for key in keys[1:]:
                 if not torch.equal(first, self.handles[self.file_of[key]].get_tensor(key)):
@@ -527,33 +531,62 @@ def detach(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[str,
     return recipes
 
 
-def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> tuple[int, set[str]]:
+class WeightReader:
+    """What an attached weight's ``LazyTensor`` calls to get its values: its recipe's tensor from
+    the source, in the initializer's own dtype, read anew at each call (a pass that reads a weight,
+    a transpose or int4 blocks, maps or holds it only while it reads it). ``copied_from``: the
+    checkpoint range the writer copies file to file, where there is one. ``reads`` counts the
+    calls, so that the export knows whether anything but the writer read the values."""
+
+    def __init__(self, source: WeightSource, tensor_name: str, index: Index, name: str, dtype: ir.DataType,
+                 shape: ir.Shape):
+        self.source, self.tensor_name, self.index, self.name = source, tensor_name, index, name
+        self.dtype, self.shape = dtype, shape
+        self.copied_from = source.verbatim_range(tensor_name, index, dtype)
+        self.reads = 0
+
+    def __call__(self) -> ir.TensorProtocol:
+        self.reads += 1
+        if stored := self.copied_from:
+            # An absolute path and no base_dir: onnx_ir's containment checks are for files a
+            # model names; this one is the checkpoint's own, which may be a symlink into the
+            # Hugging Face cache's blobs.
+            return ir.ExternalTensor(str(stored.path), stored.offset, stored.length, self.dtype, shape=self.shape,
+                                     name=self.name)
+        return _to_ir(self.source.tensor(self.tensor_name, self.index, to_torch_dtype(self.dtype)), self.name)
+
+
+def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> list[WeightReader]:
     """Give every placeholder initializer a lazy tensor that reads its recipe's tensor from
     ``source`` when the package is written, in the initializer's own dtype (a parameter's is the
-    export's compute dtype; an integer buffer stays integer). Returns how many initializers, and
-    the saved tensor names they read."""
+    export's compute dtype; an integer buffer stays integer). Returns the readers, one per
+    initializer (``reader.tensor_name``: the saved tensor it reads)."""
+    readers = []
     for name, (tensor_name, index) in recipes.items():
         value = model.graph.initializers[name]
         placeholder = value.const_value
         if not (isinstance(placeholder, ir.ExternalTensor) and str(placeholder.location) == WEIGHT_PLACEHOLDER):
             raise RuntimeError(f"initializer {name} is not a weight placeholder")
+        reader = WeightReader(source, tensor_name, index, name, placeholder.dtype, placeholder.shape)
+        value.const_value = ir.LazyTensor(reader, dtype=reader.dtype, shape=reader.shape, name=name)
+        readers.append(reader)
+    return readers
 
-        dtype, shape = placeholder.dtype, placeholder.shape
-        stored = source.verbatim_range(tensor_name, index, dtype)
 
-        # Made anew at each read, so a pass that reads a weight (a transpose, int4 blocks) maps or
-        # holds it only while it reads it.
-        def materialise(tensor_name=tensor_name, index=index, name=name, dtype=dtype, shape=shape,
-                        stored=stored) -> ir.TensorProtocol:
-            if stored:
-                # An absolute path and no base_dir: onnx_ir's containment checks are for files a
-                # model names; this one is the checkpoint's own, which may be a symlink into the
-                # Hugging Face cache's blobs.
-                return ir.ExternalTensor(str(stored.path), stored.offset, stored.length, dtype, shape=shape, name=name)
-            return _to_ir(source.tensor(tensor_name, index, to_torch_dtype(dtype)), name)
+def is_weight(value: ir.Value) -> bool:
+    """Whether an initializer holds a weight ``attach`` gave it (read from the source when written)."""
+    tensor = value.const_value
+    return isinstance(tensor, ir.LazyTensor) and isinstance(tensor.raw, WeightReader)
 
-        value.const_value = ir.LazyTensor(materialise, dtype=dtype, shape=shape, name=name)
-    return len(recipes), {tensor_name for tensor_name, _ in recipes.values()}
+
+def copied_weights(model: ir.Model, readers: list[WeightReader]) -> dict[str, FileRange] | None:
+    """Each weight initializer of ``model`` -> the checkpoint range its bytes are copied from; None
+    where a weight's bytes are not a checkpoint's as stored (converted, or read by a pass, which
+    may have derived other tensors or decided the graph from them)."""
+    if any(reader.reads or reader.copied_from is None for reader in readers):
+        return None
+    return {name: value.const_value.raw.copied_from for name, value in model.graph.initializers.items()
+            if is_weight(value)}
 
 
 def recipes_to_json(recipes: Recipes) -> dict[str, list]:

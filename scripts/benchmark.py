@@ -9,7 +9,8 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py --transposed-matmul   # weights read as stored vs transposed copies
     python scripts/benchmark.py tiny-gemma-4 --graph-capture   # WebGPU decode, graph capture on vs off
     python scripts/benchmark.py tiny-gemma-4 --max-lengths 1024 8192   # WebGPU decode at each max_length
-    python scripts/benchmark.py --reexport            # re-export with other weights: graph cache vs none
+    python scripts/benchmark.py --reexport            # re-export with other weights: graph cache (and the
+                                                      # command line's replay) vs none
 
 --truncation exports the model twice (last-token passes on, and off via full_logits), then times
 time-to-first-token for both packages alternately in one run, next to the ratio predicted from
@@ -22,6 +23,7 @@ Each TTFT is the median of --repeats runs.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -516,9 +518,47 @@ def benchmark_truncation(args) -> None:
                   f"{(off / on) / predicted - 1:+.0%} |")
 
 
+def command_line_reexport(root: Path, cache: Path, repeats: int) -> tuple[float, float, float, bool]:
+    """``python -m exporter`` on the second checkpoint's folder, replayed (``exporter.replay``) from
+    the first's command-line export and without any cache, taking turns, each a fresh process:
+    the first export's seconds, the medians, and whether the packages are byte-identical."""
+    import hashlib
+    import subprocess
+
+    def timed(folder: str, output: str, *flags: str) -> tuple[float, dict]:
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "exporter", str(root / folder), "-o", str(root / output),
+                               "--overwrite", "--json", *flags], capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"python -m exporter {folder} exited {done.returncode}: {done.stderr[-2000:]}")
+        return seconds, json.loads(done.stdout)
+
+    def digest(output: str) -> str:
+        package, sha = root / output, hashlib.sha256()
+        for path in sorted(p for p in package.rglob("*") if p.is_file() and not p.name.startswith("export_report")):
+            sha.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
+        return sha.hexdigest()
+
+    print("command line: exporting the first checkpoint, recording its replay ...", file=sys.stderr, flush=True)
+    first, _ = timed("step1", "cli-first", "--cache-dir", str(cache))
+    times = {"replayed": [], "uncached": []}
+    for repeat in range(repeats):
+        for variant in (("replayed", "uncached") if repeat % 2 == 0 else ("uncached", "replayed")):
+            print(f"  command line: re-export {variant} ...", file=sys.stderr, flush=True)
+            flags = ("--cache-dir", str(cache)) if variant == "replayed" else ("--no-cache",)
+            seconds, summary = timed("step2", f"cli-{variant}", *flags)
+            if variant == "replayed" and set(summary["graph_cache"]["sessions"].values()) != {"replayed"}:
+                raise SystemExit(f"the command-line re-export did not replay: {summary['graph_cache']}")
+            times[variant].append(seconds)
+    return (first, statistics.median(times["uncached"]), statistics.median(times["replayed"]),
+            digest("cli-replayed") == digest("cli-uncached"))
+
+
 def benchmark_reexport(args) -> None:
     """A training run's second checkpoint exported with the graph cache (filled by the first) and
-    without it, taking turns, from a save_pretrained folder and from the model in memory."""
+    without it, taking turns, from a save_pretrained folder and from the model in memory; and by the
+    command line, replayed and without any cache, each a fresh process."""
     import hashlib
 
     import torch
@@ -577,7 +617,10 @@ def benchmark_reexport(args) -> None:
                         raise SystemExit(f"the cached re-export missed: {package.report.graph_cache}")
             rows.append((where, filled, statistics.median(times["uncached"]), statistics.median(times["cached"]),
                          digests["cached"] == digests["uncached"]))
+        rows.append(("folder, command line (a replay)", *command_line_reexport(root, cache, args.repeats)))
     print(f"\n## Re-export of {args.model} with other weights, cpu fp32 (median of {args.repeats}, alternating)\n")
+    print("A replay copies the first export's package with the second checkpoint's bytes; the other rows reuse "
+          "the lowered graph and run the ONNX passes.\n")
     print("| source | first export (fills the cache) s | re-export, no cache s | re-export, cache s | "
           "cache / no cache | byte-identical |\n|---|---:|---:|---:|---:|---|")
     for where, filled, uncached, cached, identical in rows:

@@ -13,6 +13,7 @@ from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.rules.common import collapse_slice_rule
 
 from exporter.onnx_passes.base import run_in_place
+from exporter.weights import is_weight
 
 
 def _before_slices() -> list[ir.passes.PassBase]:
@@ -25,13 +26,33 @@ def _after_slices() -> list[ir.passes.PassBase]:
         common.CommonSubexpressionEliminationPass(),
         common.RemoveUnusedNodesPass(),
         common.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=16),
-        common.DeduplicateInitializersPass(),
+        DeduplicateConstantsPass(),
         common.OutputFixPass(),
         common.NameFixPass(),
         # Node metadata holds torch.onnx's FX provenance (stack traces, node reprs): several MB
         # per model, and its text varies between runs, which would break byte-identical exports.
         common.ClearMetadataAndDocStringPass(),
     ]
+
+
+class DeduplicateConstantsPass(common.DeduplicateInitializersPass):
+    """onnx_ir's deduplication of equal initializers, over the constants only: weights stay apart
+    even where their values are equal (fresh-init norms), so that no weight value decides the
+    graph, and no weight is read before the package is written (what lets the command line replay
+    an export with another checkpoint's weights: ``exporter.replay``). The weights are set aside
+    while onnx_ir's pass runs and put back in their order."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        order = list(graph.initializers)
+        weights = {name: graph.initializers.pop(name) for name in order if is_weight(graph.initializers[name])}
+        try:
+            return super().call(model)
+        finally:
+            remaining = {**weights, **{name: graph.initializers.pop(name) for name in list(graph.initializers)}}
+            for name in order:
+                if name in remaining:
+                    graph.register_initializer(remaining[name])
 
 
 _FULL_RANGE_SLICES_TO_IDENTITIES = RewriteRuleSet([collapse_slice_rule])

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
+from helpers.checkpoints import save_checkpoint, take_training_step, training_run_checkpoint
 
 from ep_profiles import get_profile
 from exporter import export, graph_cache
@@ -31,26 +30,8 @@ def digests(folder: Path) -> dict[str, str]:
     return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in PACKAGE_FILES}
 
 
-@torch.no_grad()
 def trained(seed: int):
-    """The preset's model as a checkpoint of a training run: every constant saved tensor moved (by
-    ``seed``) and every parameter, matrices too, nudged by ``seed``'s noise."""
-    model, tokenizer = build_preset(PRESET)
-    perturb_constant_tensors(model, seed)
-    take_training_step(model, seed)
-    return model, tokenizer
-
-
-@torch.no_grad()
-def take_training_step(model, seed: int) -> None:
-    """What an optimizer step changes: every parameter (buffers, such as Gemma 4's layer_scalar, are
-    not trained)."""
-    generator = torch.Generator().manual_seed(1000 + seed)
-    seen = set()
-    for tensor in model.parameters():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            tensor.add_(torch.randn(tensor.shape, generator=generator) * 1e-2 * (tensor.std() if tensor.numel() > 1 else 1))
+    return training_run_checkpoint(PRESET, seed)
 
 
 def stage_names(package) -> list[str]:
@@ -313,9 +294,17 @@ def test_prune_removes_least_recently_used_entries_and_nothing_else(tmp_path):
         (tmp_path / foreign).mkdir()
         (tmp_path / foreign / "model.safetensors").write_bytes(b"w" * 1000)
         os.utime(tmp_path / foreign, (1, 1))
+    # A replay record written as a hidden folder: one left by a killed write an hour ago goes, one
+    # being written now stays.
+    killed, writing = tmp_path / f".{'a' * 32}.x1", tmp_path / f".{'b' * 32}.x2"
+    for folder in (killed, writing):
+        folder.mkdir()
+        (folder / "literals.bin").write_bytes(b"l")
+    os.utime(killed, (1, 1))
     removed = graph_cache.prune(tmp_path, keep=entries["kept"], max_bytes=250)
     assert removed == [entries["old"], entries["middle"]]
-    assert {p.name for p in tmp_path.iterdir()} == {entries["new"].name, entries["kept"].name, "checkpoint-500", "0" * 32}
+    assert {p.name for p in tmp_path.iterdir()} == {entries["new"].name, entries["kept"].name, "checkpoint-500", "0" * 32,
+                                                    writing.name}
 
 
 @pytest.mark.l1

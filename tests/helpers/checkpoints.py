@@ -43,3 +43,25 @@ def perturbed_preset_checkpoint(name: str, folder: Path, seed: int = 0):
     save_checkpoint(model, tokenizer, folder)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return reloaded, tokenizer
+
+
+@torch.no_grad()
+def training_run_checkpoint(name: str, seed: int):
+    """A preset's model as a checkpoint of a training run: every constant saved tensor moved (by
+    ``seed``) and every parameter, matrices too, nudged by ``seed``'s noise."""
+    model, tokenizer = build_preset(name)
+    perturb_constant_tensors(model, seed)
+    take_training_step(model, seed)
+    return model, tokenizer
+
+
+@torch.no_grad()
+def take_training_step(model, seed: int) -> None:
+    """What an optimizer step changes: every parameter (buffers, such as Gemma 4's layer_scalar, are
+    not trained)."""
+    generator = torch.Generator().manual_seed(1000 + seed)
+    seen = set()
+    for tensor in model.parameters():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            tensor.add_(torch.randn(tensor.shape, generator=generator) * 1e-2 * (tensor.std() if tensor.numel() > 1 else 1))

@@ -1,0 +1,393 @@
+"""Replays: the command line re-exports a checkpoint folder whose every input but its weight values
+is one it has exported before by copying that export's package with the new checkpoint's bytes. It
+imports neither torch nor transformers, and traces, lowers and runs no pass: a training run's
+checkpoints re-export in the time their weights take to copy.
+
+After a command-line export of a folder, the package is recorded in the cache folder
+(``exporter.cache_folder``) as a replay, where every weight the package holds was copied file to
+file from the checkpoint as it is stored (``weights.copied_weights``: same dtype, unconverted, whole
+or whole rows) and no value was read before writing: no pass looked at a weight, so no value decided
+the graph or made another tensor. The record keeps every package file but the weight data and the
+report, and says where each byte range of the data files comes from: a checkpoint tensor (by key,
+so that the next checkpoint's own offsets are used), or bytes that depend on no weight (rotary
+tables, constants), kept in the record. Weights small enough to sit inside a model file are patched
+in place at positions found when recording.
+
+The key (``fingerprint``) is a sha256 of: the replay format; the exporter's own files; the Python
+and library versions; the export's options; and every file of the folder the export can read, by
+content, but the safetensors files, by their header less its byte offsets (names, dtypes, shapes,
+metadata). Left out: files no export reads that a Trainer rewrites at every save
+(``trainer_state.json``, and pickled ``.bin``/``.pt``/``.pth`` files, which a folder with
+safetensors never loads), and hidden files. A replay also checks that the files defining the
+model's classes (the graph cache's ``model_files``) still have the recorded digests.
+
+Only the command line replays, and only what the command line recorded: it starts a fresh process,
+where nothing can have patched the model's classes or hooked its modules. A library caller's process
+may have (Liger and Unsloth patch transformers' classes), which only the graph cache's key, built
+from the model itself, sees; ``export()`` uses that cache and never replays. The replayed package
+is byte-identical to an export without any cache but for its report, which says it was replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from exporter import destination, fingerprints
+from exporter.cache_folder import KEY_FILENAME
+from exporter.package import REPORT_FILENAME, REPORT_MARKDOWN_FILENAME, save_report
+from exporter.report import ExportReport
+from exporter.stages import StageLog
+
+FORMAT = 1
+RECORD_FILENAME = "replay.json"
+LITERALS_FILENAME = "literals.bin"
+FILES_FOLDER = "files"
+# What a replayed package depends on beyond the folder and the options: the graph (torch,
+# transformers, onnx*), the tokenizer files (transformers, tokenizers) and the model files'
+# serialization (protobuf).
+_LIBRARIES = ("torch", "transformers", "tokenizers", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "numpy",
+              "protobuf", "safetensors")
+# Files no export of a folder with safetensors reads: the Trainer's state, rewritten at each save,
+# and weights in other formats (pickled optimizer and RNG states among them; GGUF, ONNX, ...),
+# which could take seconds to hash.
+_NOT_READ_NAMES = frozenset({"trainer_state.json"})
+_NOT_READ_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".data", ".msgpack", ".h5",
+                                ".npz"})
+_COPY_CHUNK = 1 << 30
+
+
+def fingerprint(folder: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Everything a replay of ``folder`` exported with ``options`` depends on, as JSON values."""
+    return {
+        "format": FORMAT,
+        "exporter": fingerprints.project_digest(),
+        "python": fingerprints.python_version(),
+        "libraries": fingerprints.versions(_LIBRARIES),
+        "options": options,
+        "folder": _folder_digests(folder),
+    }
+
+
+def key_of(ingredients: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _folder_digests(folder: Path) -> dict[str, str]:
+    digests = {}
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if (any(part.startswith(".") for part in relative.parts) or not path.is_file()
+                or path.name in _NOT_READ_NAMES or path.suffix in _NOT_READ_SUFFIXES):
+            continue
+        if path.suffix == ".safetensors":
+            _, header = _safetensors_header(path)
+            layout = {key: {k: v for k, v in entry.items() if k != "data_offsets"} for key, entry in header.items()}
+            digests[relative.as_posix()] = "header " + _sha256(json.dumps(layout, sort_keys=True).encode())
+        else:
+            with open(path, "rb") as file:
+                digests[relative.as_posix()] = hashlib.file_digest(file, "sha256").hexdigest()
+    return digests
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """Where the data starts and the header (less ``__metadata__``: tensors only)."""
+    with open(path, "rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Replayed:
+    path: Path
+    report: ExportReport
+
+
+def replay(root: Path, ingredients: dict[str, Any], folder: Path, output_dir: Path, overwrite: bool) -> Replayed | None:
+    """The package of ``folder`` written into ``output_dir`` from its recorded replay; None where
+    the cache holds none for these ingredients (or one that is torn, altered, or made with model
+    code that has changed since), and the caller exports."""
+    stages = StageLog()
+    entry = root / key_of(ingredients)
+    with contextlib.ExitStack() as opened:
+        with stages.stage("replay"):
+            # Every file of the entry is opened (and checked) before anything is written: a
+            # prune of the cache meanwhile cannot take them away.
+            found = _open_entry(entry, opened)
+            if found is None:
+                return None
+            record, entry_files = found
+            checkpoint = {name: (opened.enter_context(open(folder / name, "rb")), _safetensors_header(folder / name))
+                          for name in record["checkpoint_files"]}
+            target = destination.check_destination(output_dir, overwrite)
+            destination.require_space(target, record["package_bytes"])
+        with destination.staging_folder(target) as staging:
+            with stages.stage("package"):
+                _write(record, entry_files, checkpoint, staging)
+            report = _report(record, folder, root, entry)
+            save_report(report, stages, staging)
+    with contextlib.suppress(OSError):  # a read-only cache still serves
+        os.utime(entry)  # recently used: pruned last
+    return Replayed(output_dir, report)
+
+
+def _open_entry(entry: Path, opened: contextlib.ExitStack) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The entry's record and its files, open and checked against the record's digests."""
+    try:
+        record = json.loads((entry / RECORD_FILENAME).read_text())
+        if record["format"] != FORMAT:
+            return None
+        files = {}
+        for name, digest in record["entry_files"].items():
+            files[name] = file = opened.enter_context(open(entry / name, "rb"))
+            if hashlib.file_digest(file, "sha256").hexdigest() != digest:
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing, torn or altered: the export runs, and records anew
+    if not all(_inside(name) for name in (*record["package_files"], *record["data_files"], *record["inline_weights"],
+                                          *record["checkpoint_files"])):
+        return None  # a record naming files outside the package or the folder was not written by record()
+    if any(_model_file_digest(path) != digest for path, digest in record["model_files"].items()):
+        return None  # transformers' (or the checkpoint's) model code changed without a version change
+    return record, files
+
+
+def _inside(name: str) -> bool:
+    path = Path(name)
+    return bool(name) and not path.is_absolute() and ".." not in path.parts
+
+
+def _model_file_digest(relative: str) -> str | None:
+    """The sha256 of a model source file the graph cache keyed, found below a sys.path entry as
+    the graph cache names it (None where no entry holds it)."""
+    for base in sys.path:
+        path = Path(base or ".") / relative
+        if path.is_file():
+            return _sha256(path.read_bytes())
+    return None
+
+
+def _write(record: dict[str, Any], entry_files: dict[str, Any], checkpoint: dict[str, tuple], staging: Path) -> None:
+    literals = entry_files[LITERALS_FILENAME]
+
+    def source_of(piece: dict[str, Any]) -> tuple[Any, int]:
+        if "literal" in piece:
+            return literals, piece["literal"]
+        file, (data_start, header) = checkpoint[piece["file"]]
+        return file, data_start + header[piece["key"]]["data_offsets"][0] + piece["at"]
+
+    for name in record["package_files"]:
+        (staging / name).parent.mkdir(parents=True, exist_ok=True)
+        source = entry_files[f"{FILES_FOLDER}/{name}"]
+        with open(staging / name, "wb") as file:
+            _copy_range(source, 0, file, 0, os.fstat(source.fileno()).st_size)
+    for name, patches in record["inline_weights"].items():
+        with open(staging / name, "r+b") as model_file:
+            for patch in patches:
+                file, offset = source_of(patch)
+                os.pwrite(model_file.fileno(), os.pread(file.fileno(), patch["length"], offset), patch["at_in_model"])
+    for name, data in record["data_files"].items():
+        with open(staging / name, "wb") as data_file:
+            for piece in data["pieces"]:
+                file, offset = source_of(piece)
+                _copy_range(file, offset, data_file, piece["offset"], piece["length"])
+            data_file.truncate(data["bytes"])
+
+
+def _copy_range(source, source_offset: int, target, target_offset: int, length: int) -> None:
+    """``length`` bytes, file to file: in the kernel where the OS and filesystems can
+    (``copy_file_range``), else through a buffer."""
+    copied = 0
+    copy_file_range = getattr(os, "copy_file_range", None)
+    if copy_file_range is not None:
+        with contextlib.suppress(OSError):  # another filesystem, or an OS that refuses: the buffer below
+            while copied < length:
+                done = copy_file_range(source.fileno(), target.fileno(), min(_COPY_CHUNK, length - copied),
+                                       source_offset + copied, target_offset + copied)
+                if done == 0:
+                    break
+                copied += done
+    while copied < length:
+        chunk = os.pread(source.fileno(), min(64 << 20, length - copied), source_offset + copied)
+        if not chunk:
+            raise OSError(f"{source.name} ends before the {length} bytes its header gives at {source_offset}")
+        os.pwrite(target.fileno(), chunk, target_offset + copied)
+        copied += len(chunk)
+
+
+def _report(record: dict[str, Any], folder: Path, root: Path, entry: Path) -> ExportReport:
+    """The recorded export's report, for this folder: its source and the notes that name the
+    folder say this one; the graph cache says the package was replayed."""
+    report = ExportReport.from_dict(record["report"])
+    recorded, now = record["folder_text"], str(folder)
+    report.source = report.source.replace(recorded, now)
+    report.notes = [note.replace(recorded, now) for note in report.notes]
+    report.graph_cache = {"folder": str(root), "key": record["graph_key"], "replay": entry.name,
+                          "sessions": dict.fromkeys(report.sessions, "replayed")}
+    report.stages, report.files = [], {}
+    return report
+
+
+# Recording (after a command-line export; imports onnx, which the export has imported already).
+
+def record(root: Path, ingredients: dict[str, Any], folder: Path, package: Path,
+           copied: dict[str, dict[str, Any]], report: dict[str, Any]) -> str | None:
+    """Record ``package``, exported from ``folder`` with ``ingredients``, as a replay; returns why
+    not where it cannot be. ``copied``: each model file -> its weight initializers -> the checkpoint
+    ``FileRange`` each was copied from (``ExportedPackage.copied_weights``). ``report``: the
+    package's report as written."""
+    graph_cache = report.get("graph_cache", {})
+    if "key" not in graph_cache:
+        return f"the graph cache did not key the model ({graph_cache.get('off', 'no key')})"
+    try:
+        model_files = json.loads((root / graph_cache["key"] / KEY_FILENAME).read_text())["model_files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "the graph cache holds no key record for this model"
+    checkpoint = _CheckpointRanges(folder)
+    entry = root / key_of(ingredients)
+    scratch = Path(tempfile.mkdtemp(dir=root, prefix=f".{entry.name}."))
+    try:
+        inline, data_files = {}, {}
+        with open(scratch / LITERALS_FILENAME, "wb") as literals:
+            for name, weights in copied.items():
+                located = _locate_initializers(package, name, weights, checkpoint)
+                if isinstance(located, str):
+                    return located
+                inline[name], external = located
+                for data_name, pieces in external.items():
+                    data_files[data_name] = _data_file_record(package, data_name, pieces, literals)
+        files = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*")) if p.is_file()]
+        package_files = [f for f in files if f not in data_files and f not in (REPORT_FILENAME, REPORT_MARKDOWN_FILENAME)]
+        for name in package_files:
+            (scratch / FILES_FOLDER / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(package / name, scratch / FILES_FOLDER / name)
+        entry_files = [LITERALS_FILENAME, *(f"{FILES_FOLDER}/{name}" for name in package_files)]
+        values = {
+            "format": FORMAT,
+            "graph_key": graph_cache["key"],
+            "model_files": model_files,
+            "folder_text": str(folder),
+            "checkpoint_files": sorted(checkpoint.files),
+            "package_files": package_files,
+            "package_bytes": sum((package / f).stat().st_size for f in files),
+            "inline_weights": inline,
+            "data_files": data_files,
+            "report": report,
+            "entry_files": {name: _sha256((scratch / name).read_bytes()) for name in entry_files},
+        }
+        (scratch / KEY_FILENAME).write_text(json.dumps(ingredients, indent=1, sort_keys=True))
+        (scratch / RECORD_FILENAME).write_text(json.dumps(values))
+        shutil.rmtree(entry, ignore_errors=True)  # a torn or stale record of the same key
+        os.replace(scratch, entry)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return None
+
+
+class _CheckpointRanges:
+    """Which checkpoint key, and where in its bytes, a ``FileRange`` of the folder's files holds."""
+
+    def __init__(self, folder: Path):
+        self.files: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._names = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            self.files[path.name] = _safetensors_header(path)
+            self._names[path.resolve()] = path.name
+
+    def piece(self, stored) -> dict[str, Any] | None:
+        name = self._names.get(Path(stored.path).resolve())
+        if name is None:
+            return None
+        data_start, header = self.files[name]
+        for key, entry in header.items():
+            begin, end = (data_start + offset for offset in entry["data_offsets"])
+            if begin <= stored.offset and stored.offset + stored.length <= end and (begin < end):
+                return {"file": name, "key": key, "at": stored.offset - begin, "length": stored.length}
+        return None
+
+
+def _locate_initializers(package: Path, name: str, weights: dict[str, Any], checkpoint: _CheckpointRanges):
+    """For one model file: the positions in it of the weights stored inside it (to patch), and for
+    each data file (by its path in the package) its pieces (offset, length, a checkpoint piece or
+    None); a string where the file cannot be replayed."""
+    import numpy as np
+    import onnx
+
+    model_path = package / name
+    proto_bytes = model_path.read_bytes()
+    proto = onnx.load_model_from_string(proto_bytes)
+    if proto.SerializeToString() != proto_bytes:
+        return f"{model_path.name} does not read back byte for byte, so its inline weights cannot be patched"
+    pieces_of, inline = {}, []
+    for tensor in proto.graph.initializer:
+        piece = checkpoint.piece(weights[tensor.name]) if tensor.name in weights else None
+        if tensor.name in weights and piece is None:
+            return f"weight {tensor.name} is copied from a file outside the checkpoint's safetensors"
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            where = {entry.key: entry.value for entry in tensor.external_data}
+            data_name = (Path(name).parent / where["location"]).as_posix()
+            pieces_of.setdefault(data_name, []).append((int(where.get("offset", 0)), int(where["length"]), piece))
+        elif piece is not None:
+            if len(tensor.raw_data) != piece["length"]:
+                return f"weight {tensor.name} is stored inside {model_path.name} in a form other than its bytes"
+            inline.append((tensor, piece))
+    # Where each inline weight's bytes sit: the model serialized with them all zeros and all ones
+    # differs in exactly those bytes, one run per weight, in the file's order.
+    positions = []
+    if inline:
+        originals = [tensor.raw_data for tensor, _ in inline]
+        serialized = []
+        for fill in (0x00, 0xFF):
+            for tensor, piece in inline:
+                tensor.raw_data = bytes([fill]) * piece["length"]
+            serialized.append(np.frombuffer(proto.SerializeToString(), np.uint8))
+        for (tensor, _), original in zip(inline, originals, strict=True):
+            tensor.raw_data = original
+        differ = np.flatnonzero(serialized[0] != serialized[1])
+        starts = differ[np.concatenate(([True], np.diff(differ) > 1))] if differ.size else differ
+        lengths = [piece["length"] for _, piece in inline]
+        if len(starts) != len(inline) or sum(lengths) != differ.size:
+            return f"the inline weights of {model_path.name} could not be located"
+        for start, (_, piece), original in zip(starts.tolist(), inline, originals, strict=True):
+            if proto_bytes[start:start + piece["length"]] != original:
+                return f"the inline weights of {model_path.name} could not be located"
+            positions.append({**piece, "at_in_model": start})
+    return positions, pieces_of
+
+
+def _data_file_record(package: Path, data_name: str, pieces: list, literals) -> dict[str, Any]:
+    """A data file as pieces in order: checkpoint pieces, and every other byte range (constants,
+    padding) copied into the record's literals."""
+    path = package / data_name
+    size = path.stat().st_size
+    ordered, at = [], 0
+    with open(path, "rb") as data:
+        def literal(begin: int, end: int) -> None:
+            ordered.append({"offset": begin, "length": end - begin, "literal": literals.tell()})
+            for start in range(begin, end, 64 << 20):
+                literals.write(os.pread(data.fileno(), min(64 << 20, end - start), start))
+
+        for offset, length, piece in sorted(pieces, key=lambda p: p[0]):
+            if piece is None:
+                continue
+            if offset > at:
+                literal(at, offset)
+            ordered.append({"offset": offset, "length": length, **{k: piece[k] for k in ("file", "key", "at")}})
+            at = offset + length
+        if size > at:
+            literal(at, size)
+    return {"bytes": size, "pieces": ordered}
