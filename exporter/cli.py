@@ -211,12 +211,15 @@ def run() -> None:
     ``export`` turns the collector off for its own run anyway; this spares the one collection that
     would traverse all of them after it."""
     gc.disable()
-    code = main()
+    code = main(replays=True)
     gc.freeze()
     sys.exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, replays: bool = False) -> int:
+    """The command line's exit code. ``replays``: record exports of folders as replays and replay
+    them (``exporter.replay``), which only a fresh process may do, where nothing can have patched
+    the model's classes (``run``, the console command); a caller's process may have."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["list"]:
         return _list(argv[1:])
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or Path(f"{model_name}-{args.ep}-{precision}")
     print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)
     with _sigterm_as_interrupt():
-        return _export(args, output, int4, _replay_inputs(args, precision, int4))
+        return _export(args, output, int4, _replay_inputs(args, precision, int4) if replays else None)
 
 
 class Terminated(KeyboardInterrupt):
@@ -294,7 +297,7 @@ def _replay_inputs(args, precision: str, int4: Int4Options | None) -> ReplayInpu
                "max_length": args.max_length, "allow_pickled_weights": args.allow_pickled_weights}
     try:
         return ReplayInputs(root, folder, replay.fingerprint(folder, options))
-    except (OSError, ValueError):  # an unreadable file or header: the export says what is wrong
+    except Exception:  # an unreadable file, or not safetensors: the export says what is wrong
         return None
 
 
@@ -356,8 +359,8 @@ def _record_replay(inputs: ReplayInputs, result) -> str:
     from exporter import graph_cache
 
     if result.copied_weights is None:
-        return ("not recorded: a weight was converted or read by a pass (only packages whose weights are "
-                "copied as the checkpoint stores them replay)")
+        return (f"not recorded: {result.not_copied_why} (only packages whose weights are all copied as the "
+                "checkpoint stores them replay)")
     try:
         if replay.fingerprint(inputs.folder, inputs.ingredients["options"]) != inputs.ingredients:
             return "not recorded: the folder changed during the export"
@@ -369,6 +372,10 @@ def _record_replay(inputs: ReplayInputs, result) -> str:
                 graph_cache.prune(inputs.root, keep=inputs.root / replay.key_of(inputs.ingredients))
     except OSError as error:
         why_not = f"the cache could not be written ({error.strerror or error})"
+    except KeyboardInterrupt:  # the package is written and complete; only its replay is lost
+        why_not = "interrupted"
+    except Exception as error:  # a bug in recording costs the next export its time, never this package
+        why_not = f"unexpected {type(error).__name__}: {error}; please report it"
     return f"not recorded: {why_not}" if why_not else f"recorded ({replay.key_of(inputs.ingredients)[:12]})"
 
 

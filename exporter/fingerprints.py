@@ -10,6 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# The libraries whose versions shape an exported graph: tracing (torch and its sympy shapes),
+# the models (transformers), lowering and the ONNX passes, and the constants numpy computes.
+GRAPH_LIBRARIES = ("torch", "sympy", "transformers", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "numpy")
 _PROJECT_PACKAGES = ("exporter", "fx_passes", "ep_profiles")
 
 
@@ -30,6 +33,12 @@ def _project_files() -> Iterator[Path]:
 
 def python_version() -> str:
     return platform.python_version()
+
+
+def machine() -> str:
+    """The CPU architecture: constants computed at export (rotary tables) may differ in their last
+    bits between architectures, so a cache shared between machines keys on it."""
+    return platform.machine()
 
 
 def versions(distributions: tuple[str, ...]) -> dict[str, str]:

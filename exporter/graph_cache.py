@@ -11,8 +11,8 @@ The export takes the same steps after lowering whether or not a cache is used (t
 always serialized and read back, weights as placeholders), so every file of a package from the
 cache but its report is byte-identical to one exported without it.
 
-The key is a sha256 of: this cache's format; the exporter's own source files; the Python, torch,
-transformers, onnx, onnx_ir, onnxscript, onnxruntime and numpy versions; the model's class and
+The key is a sha256 of: this cache's format; the exporter's own source files; the CPU architecture;
+the Python, torch, sympy, transformers, onnx, onnx_ir, onnxscript, onnxruntime and numpy versions; the model's class and
 config (less its path and the transformers version that saved it); the attention and experts
 implementations every config of the model names, and the code registered under those names; the
 source files defining the model's classes (and, for code outside transformers, the files beside
@@ -67,7 +67,6 @@ _ENTRY_NAME = re.compile(r"^[0-9a-f]{32}$")
 _TORN_ENTRY_WRITE = re.compile(r"^\.[0-9a-f]{32}\.")
 # A hidden file this old in an entry is a write that was killed (a write takes seconds).
 _TORN_WRITE_SECONDS = 3600
-_LIBRARIES = ("torch", "transformers", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "numpy")
 _CONFIG_FIELDS_OUTSIDE_KEY = ("_name_or_path", "transformers_version", "_commit_hash")
 
 
@@ -192,7 +191,8 @@ def key_ingredients(model: torch.nn.Module, weight_source: weights.WeightSource,
         "format": FORMAT,
         "exporter": fingerprints.project_digest(),
         "python": fingerprints.python_version(),
-        "libraries": fingerprints.versions(_LIBRARIES),
+        "machine": fingerprints.machine(),
+        "libraries": fingerprints.versions(fingerprints.GRAPH_LIBRARIES),
         "model_class": _qualified_name(type(model)),
         "config": _config_values(model.config),
         "implementations": _implementations(model),

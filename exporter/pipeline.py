@@ -49,9 +49,10 @@ class ExportedPackage:
     layout: DecoderLayout
     plan: ExportPlan
     # Each session file -> its weight initializers -> the checkpoint ranges their bytes were copied
-    # from; None where any weight was converted or read before writing (what a command-line
-    # replay needs: ``exporter.replay``).
+    # from, where every weight was copied as stored and read by nothing but the writer (what a
+    # command-line replay records: ``exporter.replay``); else None, and ``not_copied_why``.
     copied_weights: dict[str, dict[str, weights.FileRange]] | None = None
+    not_copied_why: str | None = None
 
     @property
     def model_path(self) -> Path:
@@ -178,10 +179,7 @@ def export(
     if loaded.weights is not None:
         report.notes += weights.account(loaded.weights, len(every_reader),
                                         {reader.tensor_name for reader in every_reader}, strict)
-    copied = {SESSIONS[name].filename(settings): weights.copied_weights(model, readers[name])
-              for name, model in models.items()}
-    if isinstance(loaded.weights, weights.SafetensorsWeights) and loaded.weights.compared_values:
-        copied = {name: None for name in copied}
+    copied = _copied_weights(loaded, models, readers, settings)
 
     package_bytes = _package_bytes(report, tokenizer_bytes)
     destination.require_space(target, package_bytes)
@@ -192,8 +190,23 @@ def export(
         if mapped := environment_error(error, package_bytes, where=target.path):
             raise mapped from error
         raise
-    return ExportedPackage(output_dir, report, settings.layout, plan,
-                           None if None in copied.values() else copied)
+    return ExportedPackage(output_dir, report, settings.layout, plan, *copied)
+
+
+def _copied_weights(loaded, models, readers, settings: ExportSettings) -> tuple[dict | None, str | None]:
+    """Each session file's weights -> the checkpoint ranges they are copied from, or why the
+    package's weights are not all copies (``ExportedPackage.copied_weights``)."""
+    if not isinstance(loaded.weights, weights.SafetensorsWeights):
+        return None, "the weights do not stream from a checkpoint folder's safetensors"
+    if loaded.weights.compared_values:
+        return None, "the checkpoint saves a tied tensor under two keys, whose values the export compared"
+    copied = {}
+    for name, model in models.items():
+        session = weights.copied_weights(model, readers[name])
+        if session.ranges is None:
+            return None, session.why_not
+        copied[SESSIONS[name].filename(settings)] = session.ranges
+    return copied, None
 
 
 def _write_package(staging: Path, models, loaded, settings: ExportSettings, report: ExportReport,

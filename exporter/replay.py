@@ -6,22 +6,23 @@ checkpoints re-export in the time their weights take to copy.
 After a command-line export of a folder, the package is recorded in the cache folder
 (``exporter.cache_folder``) as a replay, where every weight the package holds was copied file to
 file from the checkpoint as it is stored (``weights.copied_weights``: same dtype, unconverted, whole
-or whole rows) and no value was read before writing: no pass looked at a weight, so no value decided
-the graph or made another tensor. The record keeps every package file but the weight data and the
+or whole rows), no value was read before writing, and no initializer is a lazy step over a weight:
+no pass looked at a weight or will make a tensor from one, so no value decided the graph. The record keeps every package file but the weight data and the
 report, and says where each byte range of the data files comes from: a checkpoint tensor (by key,
 so that the next checkpoint's own offsets are used), or bytes that depend on no weight (rotary
 tables, constants), kept in the record. Weights small enough to sit inside a model file are patched
 in place at positions found when recording.
 
 The key (``fingerprint``) is a sha256 of: the replay format; the exporter's own files; the Python
-and library versions; the export's options; and every file of the folder the export can read, by
-content, but the safetensors files, by their header less its byte offsets (names, dtypes, shapes,
-metadata). Left out: files no export reads that a Trainer rewrites at every save
-(``trainer_state.json``, and pickled ``.bin``/``.pt``/``.pth`` files, which a folder with
-safetensors never loads), and hidden files. A replay also checks that the files defining the
-model's classes (the graph cache's ``model_files``) still have the recorded digests.
+and library versions and the CPU architecture; the export's options; and every file of the folder
+the export can read, by content, but the safetensors files, by their header less its byte offsets
+and metadata (names, dtypes, shapes). Left out: files no export of a folder with safetensors reads
+(``trainer_state.json``, rewritten by a Trainer at every save; weights in other formats; hidden
+files). A replay also checks that the files defining the model's classes (the graph cache's
+``model_files``) still have the recorded digests, that the entry and its record are whole, that
+safetensors reads the new checkpoint as valid, and that every piece lies inside its tensor there.
 
-Only the command line replays, and only what the command line recorded: it starts a fresh process,
+Only the console command replays (``cli.run``), and only what it recorded: it starts a fresh process,
 where nothing can have patched the model's classes or hooked its modules. A library caller's process
 may have (Liger and Unsloth patch transformers' classes), which only the graph cache's key, built
 from the model itself, sees; ``export()`` uses that cache and never replays. The replayed package
@@ -35,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -54,8 +56,7 @@ FILES_FOLDER = "files"
 # What a replayed package depends on beyond the folder and the options: the graph (torch,
 # transformers, onnx*), the tokenizer files (transformers, tokenizers) and the model files'
 # serialization (protobuf).
-_LIBRARIES = ("torch", "transformers", "tokenizers", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "numpy",
-              "protobuf", "safetensors")
+_LIBRARIES = (*fingerprints.GRAPH_LIBRARIES, "tokenizers", "sentencepiece", "protobuf", "safetensors")
 # Files no export of a folder with safetensors reads: the Trainer's state, rewritten at each save,
 # and weights in other formats (pickled optimizer and RNG states among them; GGUF, ONNX, ...),
 # which could take seconds to hash.
@@ -63,6 +64,9 @@ _NOT_READ_NAMES = frozenset({"trainer_state.json"})
 _NOT_READ_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".data", ".msgpack", ".h5",
                                 ".npz"})
 _COPY_CHUNK = 1 << 30
+# The recorded folder's path where a report's text names it: a whole word or path (``folder e``,
+# ``in e/model.safetensors``), never part of one (the ``e`` in ``prefill``).
+_STANDING_ALONE = r"(?<![^\s'\"(]){}(?![^\s'\",;:)/])"
 
 
 def fingerprint(folder: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +75,7 @@ def fingerprint(folder: Path, options: dict[str, Any]) -> dict[str, Any]:
         "format": FORMAT,
         "exporter": fingerprints.project_digest(),
         "python": fingerprints.python_version(),
+        "machine": fingerprints.machine(),
         "libraries": fingerprints.versions(_LIBRARIES),
         "options": options,
         "folder": _folder_digests(folder),
@@ -99,7 +104,12 @@ def _folder_digests(folder: Path) -> dict[str, str]:
 
 
 def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """Where the data starts and the header (less ``__metadata__``: tensors only)."""
+    """Where the data starts and the header (less ``__metadata__``: tensors only), of a file that
+    safetensors itself reads (it checks that the tensors tile the data exactly, as an export's
+    reader does); raises where it does not."""
+    from safetensors import safe_open
+
+    safe_open(str(path), framework="numpy")
     with open(path, "rb") as file:
         size = int.from_bytes(file.read(8), "little")
         header = json.loads(file.read(size))
@@ -119,8 +129,8 @@ class Replayed:
 
 def replay(root: Path, ingredients: dict[str, Any], folder: Path, output_dir: Path, overwrite: bool) -> Replayed | None:
     """The package of ``folder`` written into ``output_dir`` from its recorded replay; None where
-    the cache holds none for these ingredients (or one that is torn, altered, or made with model
-    code that has changed since), and the caller exports."""
+    the cache holds none for these ingredients (or one that is torn, altered, made with model code
+    that has changed since, or that does not fit the checkpoint), and the caller exports."""
     stages = StageLog()
     entry = root / key_of(ingredients)
     with contextlib.ExitStack() as opened:
@@ -131,8 +141,13 @@ def replay(root: Path, ingredients: dict[str, Any], folder: Path, output_dir: Pa
             if found is None:
                 return None
             record, entry_files = found
-            checkpoint = {name: (opened.enter_context(open(folder / name, "rb")), _safetensors_header(folder / name))
-                          for name in record["checkpoint_files"]}
+            try:
+                checkpoint = {name: (opened.enter_context(open(folder / name, "rb")), _safetensors_header(folder / name))
+                              for name in record["checkpoint_files"]}
+            except Exception:  # unreadable or not safetensors: the export says what is wrong
+                return None
+            if not _fits(record, checkpoint):
+                return None
             target = destination.check_destination(output_dir, overwrite)
             destination.require_space(target, record["package_bytes"])
         with destination.staging_folder(target) as staging:
@@ -145,11 +160,36 @@ def replay(root: Path, ingredients: dict[str, Any], folder: Path, output_dir: Pa
     return Replayed(output_dir, report)
 
 
+def _fits(record: dict[str, Any], checkpoint: dict[str, tuple]) -> bool:
+    """Whether every piece the record takes from the checkpoint lies inside its tensor there, and
+    each data file's pieces tile it."""
+    try:
+        pieces = [p for patches in record["inline_weights"].values() for p in patches]
+        for data in record["data_files"].values():
+            at = 0
+            for piece in data["pieces"]:
+                if piece["offset"] != at or piece["length"] < 0:
+                    return False
+                at += piece["length"]
+                pieces.append(piece)
+            if at != data["bytes"]:
+                return False
+        for piece in pieces:
+            if "literal" in piece:
+                continue
+            begin, end = checkpoint[piece["file"]][1][1][piece["key"]]["data_offsets"]
+            if not (0 <= piece["at"] and piece["at"] + piece["length"] <= end - begin):
+                return False
+    except (KeyError, TypeError, ValueError, IndexError):
+        return False
+    return True
+
+
 def _open_entry(entry: Path, opened: contextlib.ExitStack) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The entry's record and its files, open and checked against the record's digests."""
     try:
         record = json.loads((entry / RECORD_FILENAME).read_text())
-        if record["format"] != FORMAT:
+        if record["format"] != FORMAT or record["sha256"] != _record_digest(record):
             return None
         files = {}
         for name, digest in record["entry_files"].items():
@@ -164,6 +204,10 @@ def _open_entry(entry: Path, opened: contextlib.ExitStack) -> tuple[dict[str, An
     if any(_model_file_digest(path) != digest for path, digest in record["model_files"].items()):
         return None  # transformers' (or the checkpoint's) model code changed without a version change
     return record, files
+
+
+def _record_digest(record: dict[str, Any]) -> str:
+    return _sha256(json.dumps({k: v for k, v in record.items() if k != "sha256"}, sort_keys=True).encode())
 
 
 def _inside(name: str) -> bool:
@@ -233,9 +277,9 @@ def _report(record: dict[str, Any], folder: Path, root: Path, entry: Path) -> Ex
     """The recorded export's report, for this folder: its source and the notes that name the
     folder say this one; the graph cache says the package was replayed."""
     report = ExportReport.from_dict(record["report"])
-    recorded, now = record["folder_text"], str(folder)
-    report.source = report.source.replace(recorded, now)
-    report.notes = [note.replace(recorded, now) for note in report.notes]
+    recorded = re.compile(_STANDING_ALONE.format(re.escape(record["folder_text"])))
+    report.source = recorded.sub(lambda _: str(folder), report.source)
+    report.notes = [recorded.sub(lambda _: str(folder), note) for note in report.notes]
     report.graph_cache = {"folder": str(root), "key": record["graph_key"], "replay": entry.name,
                           "sessions": dict.fromkeys(report.sessions, "replayed")}
     report.stages, report.files = [], {}
@@ -289,6 +333,7 @@ def record(root: Path, ingredients: dict[str, Any], folder: Path, package: Path,
             "report": report,
             "entry_files": {name: _sha256((scratch / name).read_bytes()) for name in entry_files},
         }
+        values["sha256"] = _record_digest(values)
         (scratch / KEY_FILENAME).write_text(json.dumps(ingredients, indent=1, sort_keys=True))
         (scratch / RECORD_FILENAME).write_text(json.dumps(values))
         shutil.rmtree(entry, ignore_errors=True)  # a torn or stale record of the same key

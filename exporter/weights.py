@@ -579,14 +579,32 @@ def is_weight(value: ir.Value) -> bool:
     return isinstance(tensor, ir.LazyTensor) and isinstance(tensor.raw, WeightReader)
 
 
-def copied_weights(model: ir.Model, readers: list[WeightReader]) -> dict[str, FileRange] | None:
-    """Each weight initializer of ``model`` -> the checkpoint range its bytes are copied from; None
-    where a weight's bytes are not a checkpoint's as stored (converted, or read by a pass, which
-    may have derived other tensors or decided the graph from them)."""
-    if any(reader.reads or reader.copied_from is None for reader in readers):
-        return None
-    return {name: value.const_value.raw.copied_from for name, value in model.graph.initializers.items()
-            if is_weight(value)}
+@dataclass(frozen=True)
+class CopiedWeights:
+    """Each weight initializer of a model -> the checkpoint range its bytes are copied from, where
+    every byte the package holds that a weight decides is such a copy (``ranges``); else why not
+    (``why_not``)."""
+
+    ranges: dict[str, FileRange] | None
+    why_not: str | None = None
+
+
+def copied_weights(model: ir.Model, readers: list[WeightReader]) -> CopiedWeights:
+    """Whether ``model``'s weights are copies of the checkpoint as it stores them, read by nothing
+    but the writer: no weight converted, none read by a pass (which may have decided the graph or
+    made another tensor from it), and no initializer a lazy step over a weight (a folded transpose
+    or reshape, which reads it only when written). Called after the passes, before writing."""
+    for reader in readers:
+        if reader.copied_from is None:
+            return CopiedWeights(None, f"weight {reader.name} is converted from the checkpoint's dtype or layout")
+        if reader.reads:
+            return CopiedWeights(None, f"weight {reader.name} was read by a pass before the package was written")
+    for name, value in model.graph.initializers.items():
+        if isinstance(value.const_value, ir.LazyTensor) and not is_weight(value):
+            return CopiedWeights(None, f"initializer {name} is made from weights when written "
+                                       "(a folded transpose or reshape)")
+    return CopiedWeights({name: value.const_value.raw.copied_from
+                          for name, value in model.graph.initializers.items() if is_weight(value)})
 
 
 def recipes_to_json(recipes: Recipes) -> dict[str, list]:

@@ -34,7 +34,7 @@ def package_digests(folder: Path) -> dict[str, str]:
 
 def cli(capsys, folder: Path | str, out: Path, *flags: str) -> tuple[dict, str]:
     """An export through the command line: its --json summary and what it said on stderr."""
-    assert main([str(folder), "-o", str(out), "--json", *flags]) == 0
+    assert main([str(folder), "-o", str(out), "--json", *flags], replays=True) == 0
     captured = capsys.readouterr()
     return json.loads(captured.out), captured.err
 
@@ -51,7 +51,7 @@ def recorded(checkpoints, tmp_path_factory) -> Path:
     its replay."""
     root = tmp_path_factory.mktemp("replay-recorded")
     argv = [str(checkpoints[0]), "-o", str(root / "package"), "--cache-dir", str(root / "cache")]
-    assert main(argv) == 0
+    assert main(argv, replays=True) == 0
     assert len(list((root / "cache").glob(f"*/{replay.RECORD_FILENAME}"))) == 1
     return root
 
@@ -82,8 +82,9 @@ def test_another_checkpoint_replays_byte_identical_to_an_uncached_export(checkpo
     assert len(record["inline_weights"]["model.onnx"]) > 0
     assert (recorded / "package" / "model.onnx").read_bytes() != (replayed / "model.onnx").read_bytes()
     report = json.loads((replayed / "export_report.json").read_text())
-    assert report["source"] == f"folder {checkpoints[1]}"
-    assert str(checkpoints[0]) not in json.dumps(report["notes"]) and str(checkpoints[1]) in json.dumps(report["notes"])
+    exported = json.loads((uncached / "export_report.json").read_text())
+    assert (report["source"], report["notes"]) == (exported["source"], exported["notes"])
+    assert str(checkpoints[1]) in json.dumps(report["notes"])
     # The report's file records are this package's, as `check` reads them.
     from exporter.integrity import damaged_files, edited_files
 
@@ -91,11 +92,14 @@ def test_another_checkpoint_replays_byte_identical_to_an_uncached_export(checkpo
 
 
 def test_a_replay_imports_neither_torch_nor_transformers(checkpoints, cache, tmp_path):
-    code = ("import sys; from exporter.cli import main; "
-            f"code = main([{str(checkpoints[1])!r}, '-o', {str(tmp_path / 'out')!r}, '--cache-dir', {str(cache)!r}]); "
-            "print(code, sorted(m for m in ('torch', 'transformers', 'onnx', 'onnx_ir') if m in sys.modules))")
+    """The console command replays (``run``), and imports none of the libraries an export needs."""
+    code = ("import atexit, sys; from exporter.cli import run; "
+            "atexit.register(lambda: print(sorted(m for m in ('torch', 'transformers', 'onnx', 'onnx_ir') "
+            "if m in sys.modules))); "
+            f"sys.argv = ['exporter', {str(checkpoints[1])!r}, '-o', {str(tmp_path / 'out')!r}, '--cache-dir', "
+            f"{str(cache)!r}]; run()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "[]", done.stdout + done.stderr
     assert "decoder replayed" in done.stdout
 
 
@@ -148,12 +152,98 @@ def test_a_broken_entry_or_changed_model_code_exports_instead(checkpoints, cache
     assert package_digests(tmp_path / "torn") == package_digests(uncached)
 
 
-def test_converted_weights_are_not_recorded(checkpoints, tmp_path, capsys):
-    summary, said = cli(capsys, checkpoints[0], tmp_path / "int4", "--precision", "int4", "--cache-dir",
-                        str(tmp_path / "cache"))
-    assert summary["graph_cache"]["sessions"] == {"decoder": "written"}
-    assert "replay: not recorded: a weight was converted" in said
-    assert not list((tmp_path / "cache").glob(f"*/{replay.RECORD_FILENAME}"))
+def not_recorded_because(capsys, folder: Path, tmp_path: Path, *flags: str) -> str:
+    """What the command says when it does not record an export of ``folder`` as a replay."""
+    _, said = cli(capsys, folder, tmp_path / "package", "--cache-dir", str(tmp_path / "cache"), *flags)
+    assert not list((tmp_path / "cache").glob(f"*/{replay.RECORD_FILENAME}")), said
+    return next(line for line in said.splitlines() if line.startswith("replay: "))
+
+
+def test_weights_not_copied_as_stored_are_not_recorded(checkpoints, tmp_path, capsys):
+    """Converted weights (a bf16 checkpoint exported at fp32), weights a pass reads (int4), weights
+    a pass folds lazily (a transpose where the EP has no FusedMatMul), and tied copies whose values
+    the export compared all depend on values a replay would not see."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model, tokenizer = training_run_checkpoint(PRESET, 2)
+    bf16 = save_checkpoint(model.to(torch.bfloat16), tokenizer, tmp_path / "bf16")
+    assert "converted from the checkpoint's dtype" in not_recorded_because(capsys, bf16, tmp_path / "a")
+
+    assert "read by a pass" in not_recorded_because(capsys, checkpoints[0], tmp_path / "b", "--precision", "int4")
+
+    llama = save_checkpoint(*training_run_checkpoint("tiny-llama", 0), tmp_path / "llama")
+    assert "made from weights when written" in not_recorded_because(capsys, llama, tmp_path / "c", "--ep", "cuda",
+                                                                     "--precision", "fp32")
+
+    tied = Path(shutil.copytree(checkpoints[1], tmp_path / "tied"))
+    tensors = load_file(tied / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, tied / "model.safetensors", metadata={"format": "pt"})
+    assert "tied tensor under two keys" in not_recorded_because(capsys, tied, tmp_path / "d")
+
+
+def test_a_damaged_checkpoint_is_refused_as_without_a_cache(checkpoints, cache, tmp_path, capsys):
+    """A replay reads the checkpoint's header only where safetensors reads the whole file as valid:
+    a truncated one gets the export's own one-line error."""
+    damaged = Path(shutil.copytree(checkpoints[1], tmp_path / "damaged"))
+    data = (damaged / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(data[:-100])
+    code = main([str(damaged), "-o", str(tmp_path / "out"), "--cache-dir", str(cache)], replays=True)
+    assert code == 2 and "not a readable safetensors file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_whose_data_moved_replays_byte_identical(checkpoints, cache, uncached, tmp_path, capsys):
+    """Pieces are found by key in the new checkpoint's own header: metadata that moves every
+    tensor's bytes changes nothing."""
+    from safetensors.numpy import load_file, save_file
+
+    moved = Path(shutil.copytree(checkpoints[1], tmp_path / "moved"))
+    save_file(load_file(moved / "model.safetensors"), moved / "model.safetensors",
+              metadata={"format": "pt", "written_by": "a trainer with a long name " * 8})
+    summary, _ = cli(capsys, moved, tmp_path / "replayed", "--cache-dir", str(cache))
+    assert summary["graph_cache"]["sessions"] == {"decoder": "replayed"}
+    assert package_digests(tmp_path / "replayed") == package_digests(uncached)
+
+
+def test_the_report_names_the_new_folder_wherever_the_recorded_one_stood(checkpoints, tmp_path, capsys, monkeypatch):
+    """A folder named ``e`` recorded, another replayed: the report's source and notes are those of
+    an export of the new folder without a cache (``e`` inside words untouched)."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(checkpoints[0], tmp_path / "e")
+    shutil.copytree(checkpoints[1], tmp_path / "f")
+    cli(capsys, "e", tmp_path / "first", "--cache-dir", str(tmp_path / "cache"))
+    summary, _ = cli(capsys, "f", tmp_path / "replayed", "--cache-dir", str(tmp_path / "cache"))
+    assert summary["graph_cache"]["sessions"] == {"decoder": "replayed"}
+    uncached, _ = cli(capsys, "f", tmp_path / "uncached", "--no-cache")
+    assert (summary["source"], summary["notes"]) == (uncached["source"], uncached["notes"])
+
+
+def test_tidy_deduplicates_constants_and_keeps_equal_weights_apart():
+    """Two equal weights stay two initializers (no weight value decides the graph) and are never
+    read; equal constants become one; the order of what remains is kept."""
+    import numpy as np
+    import onnx_ir as ir
+
+    from exporter.onnx_passes.tidy import DeduplicateConstantsPass
+    from exporter.weights import WEIGHT_PLACEHOLDER, RandomWeights, attach
+
+    values = {}
+    for name in ("c1", "w1", "w2", "c2", "w3"):
+        tensor = (ir.Tensor(np.ones(4, np.float32), name=name) if name.startswith("c") else
+                  ir.ExternalTensor(WEIGHT_PLACEHOLDER, offset=None, length=None, dtype=ir.DataType.FLOAT,
+                                    shape=ir.Shape([4]), name=name))
+        values[name] = ir.Value(name=name, shape=ir.Shape([4]), type=ir.TensorType(ir.DataType.FLOAT),
+                                const_value=tensor)
+    nodes = [ir.node("Add", [values[a], values[b]]) for a, b in (("c1", "w1"), ("w2", "c2"), ("w3", "c1"))]
+    graph = ir.Graph([], [node.outputs[0] for node in nodes], nodes=nodes, initializers=list(values.values()))
+    model = ir.Model(graph, ir_version=10)
+    readers = attach(model, RandomWeights({"w": (4,)}, std=0.0), {n: ("w", None) for n in ("w1", "w2", "w3")})
+    DeduplicateConstantsPass()(model)
+    assert list(graph.initializers) == ["c1", "w1", "w2", "w3"]
+    assert nodes[1].inputs[1] is values["c1"]
+    assert [reader.reads for reader in readers] == [0, 0, 0]
 
 
 def test_a_folder_named_like_a_preset_exports_the_preset(checkpoints, cache, tmp_path, capsys, monkeypatch):
