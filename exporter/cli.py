@@ -283,13 +283,14 @@ class ReplayInputs:
 def _replay_inputs(args, precision: str, int4: Int4Options | None) -> ReplayInputs | None:
     """The replay key's inputs, where this command could replay or record one: a folder of
     safetensors, the cache on, and no option that builds or runs other code."""
-    root = chosen_folder(args.cache_dir or True) if args.cache else None
-    folder = Path(str(args.model)).expanduser()
-    if root is None or args.random_weights or args.trust_remote_code or str(args.model) in PRESET_NAMES:
+    if not args.cache or args.random_weights or args.trust_remote_code or str(args.model) in PRESET_NAMES:
         return None  # a preset's name exports the preset even where a folder has that name
-    if not folder.is_dir():
-        return None
-    if not any(folder.glob("*.safetensors")):
+    try:  # any input these cannot read (a folder or cache path): the export says what is wrong
+        root = chosen_folder(args.cache_dir or True)
+        folder = Path(str(args.model)).expanduser()
+        if root is None or not folder.is_dir() or not any(folder.glob("*.safetensors")):
+            return None
+    except Exception:
         return None
     options = {"ep": args.ep, "precision": precision, "graph_capture": args.graph_capture,
                "full_logits": args.full_logits, "strict": args.strict, "text_only": args.text_only,
@@ -302,34 +303,14 @@ def _replay_inputs(args, precision: str, int4: Int4Options | None) -> ReplayInpu
 
 
 def _export(args, output: Path, int4, replay_inputs: ReplayInputs | None) -> int:
+    replayed = None
     try:
         if replay_inputs is not None:
             print("  looking for a replay of this folder's export ...", file=sys.stderr)
             replayed = replay.replay(replay_inputs.root, replay_inputs.ingredients, replay_inputs.folder, output,
                                      args.overwrite)
-            if replayed is not None:
-                return _print_result(args, replayed.path, replayed.report)
-        from exporter.pipeline import export
-
-        result = export(
-            args.model,
-            ep=args.ep,
-            graph_capture=args.graph_capture,
-            precision=args.precision,
-            output_dir=output,
-            overwrite=args.overwrite,
-            full_logits=args.full_logits,
-            allow_pickled_weights=args.allow_pickled_weights,
-            random_weights=args.random_weights,
-            strict=args.strict,
-            trust_remote_code=args.trust_remote_code,
-            int4=int4,
-            text_only=args.text_only,
-            int4_encoders=args.int4_encoders,
-            progress=True,
-            max_length=args.max_length,
-            cache=(args.cache_dir or True) if args.cache else False,
-        )
+        if replayed is None:
+            result = _full_export(args, output, int4)
     except ExporterError as error:
         if args.debug:
             raise
@@ -348,9 +329,36 @@ def _export(args, output: Path, int4, replay_inputs: ReplayInputs | None) -> int
         if args.debug:
             raise
         return _unexpected(args, error)
+    if replayed is not None:
+        return _print_result(args, replayed.path, replayed.report)
     if replay_inputs is not None:
         print(f"replay: {_record_replay(replay_inputs, result)}", file=sys.stderr)
     return _print_result(args, result.path, result.report)
+
+
+def _full_export(args, output: Path, int4):
+    """The export itself: torch and transformers are imported here, once a replay did not serve."""
+    from exporter.pipeline import export
+
+    return export(
+        args.model,
+        ep=args.ep,
+        graph_capture=args.graph_capture,
+        precision=args.precision,
+        output_dir=output,
+        overwrite=args.overwrite,
+        full_logits=args.full_logits,
+        allow_pickled_weights=args.allow_pickled_weights,
+        random_weights=args.random_weights,
+        strict=args.strict,
+        trust_remote_code=args.trust_remote_code,
+        int4=int4,
+        text_only=args.text_only,
+        int4_encoders=args.int4_encoders,
+        progress=True,
+        max_length=args.max_length,
+        cache=(args.cache_dir or True) if args.cache else False,
+    )
 
 
 def _record_replay(inputs: ReplayInputs, result) -> str:

@@ -37,7 +37,8 @@ def python_version() -> str:
 
 def machine() -> str:
     """The CPU architecture: constants computed at export (rotary tables) may differ in their last
-    bits between architectures, so a cache shared between machines keys on it."""
+    bits between architectures, so a cache shared between machines keys on it (machines of one
+    architecture with other vector units could still differ; a cache is meant for one machine)."""
     return platform.machine()
 
 

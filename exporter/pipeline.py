@@ -186,6 +186,8 @@ def export(
     try:
         with destination.staging_folder(target) as staging:
             _write_package(staging, models, loaded, settings, report, stages, display)
+            if copied[0] is not None and (why_not := _read_once_each(models, readers)):
+                copied = None, why_not
     except OSError as error:
         if mapped := environment_error(error, package_bytes, where=target.path):
             raise mapped from error
@@ -207,6 +209,17 @@ def _copied_weights(loaded, models, readers, settings: ExportSettings) -> tuple[
             return None, session.why_not
         copied[SESSIONS[name].filename(settings)] = session.ranges
     return copied, None
+
+
+def _read_once_each(models, readers) -> str | None:
+    """Whether, once written, each weight the packages hold was read once (by the writer) and no
+    other at all: what ``copied_weights`` concluded before writing, confirmed (None), or why not."""
+    for name, model in models.items():
+        held = {id(value.const_value.raw) for value in model.graph.initializers.values() if weights.is_weight(value)}
+        for reader in readers[name]:
+            if reader.reads != (id(reader) in held):
+                return f"weight {reader.name} was read {reader.reads} times while the package was written"
+    return None
 
 
 def _write_package(staging: Path, models, loaded, settings: ExportSettings, report: ExportReport,

@@ -15,10 +15,12 @@ in place at positions found when recording.
 
 The key (``fingerprint``) is a sha256 of: the replay format; the exporter's own files; the Python
 and library versions and the CPU architecture; the export's options; and every file of the folder
-the export can read, by content, but the safetensors files, by their header less its byte offsets
-and metadata (names, dtypes, shapes). Left out: files no export of a folder with safetensors reads
-(``trainer_state.json``, rewritten by a Trainer at every save; weights in other formats; hidden
-files). A replay also checks that the files defining the model's classes (the graph cache's
+the export can read, by content, but the safetensors files (hidden ones too: the loader opens
+them), by their header less its byte offsets and metadata (names, dtypes, shapes). Left out: files
+no export of a folder with safetensors reads (``trainer_state.json``, rewritten by a Trainer at
+every save; weights in other formats; other hidden files). Not seen, where the graph cache's key
+sees it: the code of transformers' registered attention and mask functions edited in place at the
+same version. A replay also checks that the files defining the model's classes (the graph cache's
 ``model_files``) still have the recorded digests, that the entry and its record are whole, that
 safetensors reads the new checkpoint as valid, and that every piece lies inside its tensor there.
 
@@ -64,9 +66,10 @@ _NOT_READ_NAMES = frozenset({"trainer_state.json"})
 _NOT_READ_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".data", ".msgpack", ".h5",
                                 ".npz"})
 _COPY_CHUNK = 1 << 30
-# The recorded folder's path where a report's text names it: a whole word or path (``folder e``,
-# ``in e/model.safetensors``), never part of one (the ``e`` in ``prefill``).
-_STANDING_ALONE = r"(?<![^\s'\"(]){}(?![^\s'\",;:)/])"
+# Where a report names the checkpoint's folder: its source (``exporter.sources``: ``folder PATH``)
+# and the weights' description (``SafetensorsWeights``: ``the checkpoint in PATH``), PATH ending
+# the text or followed by a space or a path separator.
+_NAMING_THE_FOLDER = r"(^folder |the checkpoint in ){}(?=$|[\s/])"
 
 
 def fingerprint(folder: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -90,17 +93,21 @@ def _folder_digests(folder: Path) -> dict[str, str]:
     digests = {}
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
-        if (any(part.startswith(".") for part in relative.parts) or not path.is_file()
-                or path.name in _NOT_READ_NAMES or path.suffix in _NOT_READ_SUFFIXES):
+        if not path.is_file():
             continue
-        if path.suffix == ".safetensors":
-            _, header = _safetensors_header(path)
-            layout = {key: {k: v for k, v in entry.items() if k != "data_offsets"} for key, entry in header.items()}
-            digests[relative.as_posix()] = "header " + _sha256(json.dumps(layout, sort_keys=True).encode())
-        else:
+        if path.suffix == ".safetensors":  # hidden ones too: the loader's glob opens them
+            digests[relative.as_posix()] = _layout_digest(_safetensors_header(path)[1])
+        elif not (any(part.startswith(".") for part in relative.parts) or path.name in _NOT_READ_NAMES
+                  or path.suffix in _NOT_READ_SUFFIXES):
             with open(path, "rb") as file:
                 digests[relative.as_posix()] = hashlib.file_digest(file, "sha256").hexdigest()
     return digests
+
+
+def _layout_digest(header: dict[str, Any]) -> str:
+    """A safetensors header less its byte offsets: the names, dtypes and shapes."""
+    layout = {key: {k: v for k, v in entry.items() if k != "data_offsets"} for key, entry in header.items()}
+    return "header " + _sha256(json.dumps(layout, sort_keys=True).encode())
 
 
 def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -146,6 +153,9 @@ def replay(root: Path, ingredients: dict[str, Any], folder: Path, output_dir: Pa
                               for name in record["checkpoint_files"]}
             except Exception:  # unreadable or not safetensors: the export says what is wrong
                 return None
+            keyed = ingredients["folder"]
+            if any(keyed.get(name) != _layout_digest(header) for name, (_, (_, header)) in checkpoint.items()):
+                return None  # the folder changed since its fingerprint
             if not _fits(record, checkpoint):
                 return None
             target = destination.check_destination(output_dir, overwrite)
@@ -277,9 +287,9 @@ def _report(record: dict[str, Any], folder: Path, root: Path, entry: Path) -> Ex
     """The recorded export's report, for this folder: its source and the notes that name the
     folder say this one; the graph cache says the package was replayed."""
     report = ExportReport.from_dict(record["report"])
-    recorded = re.compile(_STANDING_ALONE.format(re.escape(record["folder_text"])))
-    report.source = recorded.sub(lambda _: str(folder), report.source)
-    report.notes = [recorded.sub(lambda _: str(folder), note) for note in report.notes]
+    recorded = re.compile(_NAMING_THE_FOLDER.format(re.escape(record["folder_text"])))
+    report.source = recorded.sub(lambda match: match[1] + str(folder), report.source)
+    report.notes = [recorded.sub(lambda match: match[1] + str(folder), note) for note in report.notes]
     report.graph_cache = {"folder": str(root), "key": record["graph_key"], "replay": entry.name,
                           "sessions": dict.fromkeys(report.sessions, "replayed")}
     report.stages, report.files = [], {}
@@ -305,15 +315,17 @@ def record(root: Path, ingredients: dict[str, Any], folder: Path, package: Path,
     entry = root / key_of(ingredients)
     scratch = Path(tempfile.mkdtemp(dir=root, prefix=f".{entry.name}."))
     try:
-        inline, data_files = {}, {}
+        inline, pieces_of, data_files = {}, {}, {}
+        for name, weights in copied.items():
+            located = _locate_initializers(package, name, weights, checkpoint)
+            if isinstance(located, str):
+                return located
+            inline[name], external = located
+            for data_name, pieces in external.items():  # a data file several model files share: all theirs
+                pieces_of.setdefault(data_name, []).extend(pieces)
         with open(scratch / LITERALS_FILENAME, "wb") as literals:
-            for name, weights in copied.items():
-                located = _locate_initializers(package, name, weights, checkpoint)
-                if isinstance(located, str):
-                    return located
-                inline[name], external = located
-                for data_name, pieces in external.items():
-                    data_files[data_name] = _data_file_record(package, data_name, pieces, literals)
+            for data_name, pieces in pieces_of.items():
+                data_files[data_name] = _data_file_record(package, data_name, pieces, literals)
         files = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*")) if p.is_file()]
         package_files = [f for f in files if f not in data_files and f not in (REPORT_FILENAME, REPORT_MARKDOWN_FILENAME)]
         for name in package_files:
@@ -344,19 +356,19 @@ def record(root: Path, ingredients: dict[str, Any], folder: Path, package: Path,
 
 
 class _CheckpointRanges:
-    """Which checkpoint key, and where in its bytes, a ``FileRange`` of the folder's files holds."""
+    """Which checkpoint key, and where in its bytes, a ``FileRange`` of the folder's files holds
+    (found by the name of the file the export opened, ``FileRange.file_name``)."""
 
     def __init__(self, folder: Path):
+        self.folder = folder
         self.files: dict[str, tuple[int, dict[str, Any]]] = {}
-        self._names = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            self.files[path.name] = _safetensors_header(path)
-            self._names[path.resolve()] = path.name
 
     def piece(self, stored) -> dict[str, Any] | None:
-        name = self._names.get(Path(stored.path).resolve())
-        if name is None:
+        name = stored.file_name
+        if not name or not _inside(name) or not (self.folder / name).is_file():
             return None
+        if name not in self.files:
+            self.files[name] = _safetensors_header(self.folder / name)
         data_start, header = self.files[name]
         for key, entry in header.items():
             begin, end = (data_start + offset for offset in entry["data_offsets"])

@@ -110,6 +110,7 @@ class FileRange:
     path: Path
     offset: int
     length: int
+    file_name: str = ""  # its name in the checkpoint folder, the file the export opened (a replay records it)
 
 
 def build_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -441,7 +442,8 @@ class SafetensorsWeights:
         row_bytes = int(math.prod(shape[1:]) * dtype.itemsize)
         if count * row_bytes == 0:
             return None  # onnx_ir cannot read an empty range back; an empty tensor costs nothing anyway
-        return FileRange((self.folder / file_name).resolve(), data_start + begin + first * row_bytes, count * row_bytes)
+        return FileRange((self.folder / file_name).resolve(), data_start + begin + first * row_bytes, count * row_bytes,
+                         file_name)
 
     def _header(self, file_name: str) -> tuple[int, dict]:
         """safetensors' layout: an 8-byte little-endian header size, a JSON header giving each
@@ -596,7 +598,8 @@ def copied_weights(model: ir.Model, readers: list[WeightReader]) -> CopiedWeight
     or reshape, which reads it only when written). Called after the passes, before writing."""
     for reader in readers:
         if reader.copied_from is None:
-            return CopiedWeights(None, f"weight {reader.name} is converted from the checkpoint's dtype or layout")
+            return CopiedWeights(None, f"weight {reader.name} is not stored as the checkpoint stores it (converted "
+                                       "to another dtype, cut across rows, or empty)")
         if reader.reads:
             return CopiedWeights(None, f"weight {reader.name} was read by a pass before the package was written")
     for name, value in model.graph.initializers.items():

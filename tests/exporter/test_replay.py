@@ -141,6 +141,7 @@ def test_a_broken_entry_or_changed_model_code_exports_instead(checkpoints, cache
     record = json.loads((entry / replay.RECORD_FILENAME).read_text())
     model_file = next(iter(record["model_files"]))
     record["model_files"][model_file] = "0" * 64  # as if transformers' modeling file had been edited
+    record["sha256"] = replay._record_digest(record)  # a whole record: only the model code's digest differs
     (entry / replay.RECORD_FILENAME).write_text(json.dumps(record))
     summary, _ = cli(capsys, checkpoints[1], tmp_path / "code", "--cache-dir", str(cache))
     assert summary["graph_cache"]["sessions"] == {"decoder": "hit"}  # exported, and recorded anew
@@ -168,7 +169,7 @@ def test_weights_not_copied_as_stored_are_not_recorded(checkpoints, tmp_path, ca
 
     model, tokenizer = training_run_checkpoint(PRESET, 2)
     bf16 = save_checkpoint(model.to(torch.bfloat16), tokenizer, tmp_path / "bf16")
-    assert "converted from the checkpoint's dtype" in not_recorded_because(capsys, bf16, tmp_path / "a")
+    assert "is not stored as the checkpoint stores it" in not_recorded_because(capsys, bf16, tmp_path / "a")
 
     assert "read by a pass" in not_recorded_because(capsys, checkpoints[0], tmp_path / "b", "--precision", "int4")
 
@@ -192,6 +193,43 @@ def test_a_damaged_checkpoint_is_refused_as_without_a_cache(checkpoints, cache, 
     code = main([str(damaged), "-o", str(tmp_path / "out"), "--cache-dir", str(cache)], replays=True)
     assert code == 2 and "not a readable safetensors file" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    # The replay itself checks the file it copies from, not only the fingerprint taken before it.
+    entry = next(cache.glob(f"*/{replay.RECORD_FILENAME}")).parent
+    intact = replay.fingerprint(checkpoints[1], json.loads((entry / replay.KEY_FILENAME).read_text())["options"])
+    assert replay.replay(cache, intact, checkpoints[1], tmp_path / "intact", overwrite=False) is not None
+    assert replay.replay(cache, intact, damaged, tmp_path / "from-damaged", overwrite=False) is None
+    assert not (tmp_path / "from-damaged").exists()
+
+
+def test_hidden_safetensors_count_like_any_other(checkpoints, tmp_path):
+    """The loader opens every ``*.safetensors``, hidden ones too: the key reads them, and one that
+    is no safetensors file (a macOS ``._`` file) stops the replay, and the export says why."""
+    folder = Path(shutil.copytree(checkpoints[0], tmp_path / "hidden"))
+    (folder / "model.safetensors").rename(folder / ".model.safetensors")
+    assert ".model.safetensors" in replay.fingerprint(folder, {})["folder"]
+    (folder / "._model.safetensors").write_bytes(b"\x00\x05\x16\x07 resource fork")
+    with pytest.raises(Exception, match="header"):
+        replay.fingerprint(folder, {})
+
+
+def test_only_the_console_command_replays_and_a_failed_record_keeps_the_package(checkpoints, cache, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """``main`` in a caller's process neither replays nor records (its process may have patched the
+    model's classes); a record that fails costs the replay, never the written package."""
+    entries = set(cache.iterdir())
+    assert main([str(checkpoints[1]), "-o", str(tmp_path / "in-process"), "--cache-dir", str(cache), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["graph_cache"]["sessions"] == {"decoder": "hit"}
+    assert set(cache.iterdir()) == entries
+
+    def failing_record(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(replay, "record", failing_record)
+    other_tokenizer = Path(shutil.copytree(checkpoints[1], tmp_path / "tokenizer"))
+    (other_tokenizer / "chat_template.jinja").write_text("{{ messages }}")  # not replayed: exported
+    summary, said = cli(capsys, other_tokenizer, tmp_path / "recorded", "--cache-dir", str(cache))
+    assert "replay: not recorded: unexpected RuntimeError: disk on fire" in said
+    assert summary["ok"] and (tmp_path / "recorded" / "model.onnx.data").is_file()
 
 
 def test_a_checkpoint_whose_data_moved_replays_byte_identical(checkpoints, cache, uncached, tmp_path, capsys):
