@@ -366,14 +366,14 @@ def _record_replay(inputs: ReplayInputs, result) -> str:
     whether it did, and why not."""
     from exporter import graph_cache
 
-    if result.copied_weights is None:
-        return (f"not recorded: {result.not_copied_why} (only packages whose weights are all copied as the "
-                "checkpoint stores them replay)")
+    if result.weight_origins is None:
+        return (f"not recorded: {result.weight_origins_why_not} (only packages whose every weight is a checkpoint "
+                "tensor copied, converted or transposed replay)")
     try:
         if replay.fingerprint(inputs.folder, inputs.ingredients["options"]) != inputs.ingredients:
             return "not recorded: the folder changed during the export"
         report = json.loads((result.path / REPORT_FILENAME).read_text())
-        why_not = replay.record(inputs.root, inputs.ingredients, inputs.folder, result.path, result.copied_weights,
+        why_not = replay.record(inputs.root, inputs.ingredients, inputs.folder, result.path, result.weight_origins,
                                 report)
         if why_not is None:
             with contextlib.suppress(OSError):  # another export pruning the same cache

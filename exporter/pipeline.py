@@ -5,6 +5,7 @@ together, times them and fills the report.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -48,11 +49,12 @@ class ExportedPackage:
     report: ExportReport
     layout: DecoderLayout
     plan: ExportPlan
-    # Each session file -> its weight initializers -> the checkpoint ranges their bytes were copied
-    # from, where every weight was copied as stored and read by nothing but the writer (what a
-    # command-line replay records: ``exporter.replay``); else None, and ``not_copied_why``.
-    copied_weights: dict[str, dict[str, weights.FileRange]] | None = None
-    not_copied_why: str | None = None
+    # Each session file -> its weight initializers -> where their bytes come from (a checkpoint
+    # range copied, or one stored tensor converted and laid out: ``weights.WeightOrigin``), where
+    # every weight is that and was read by nothing but the writer (what a command-line replay
+    # records: ``exporter.replay``); else None, and ``weight_origins_why_not``.
+    weight_origins: dict[str, dict[str, weights.WeightOrigin]] | None = None
+    weight_origins_why_not: str | None = None
 
     @property
     def model_path(self) -> Path:
@@ -179,45 +181,50 @@ def export(
     if loaded.weights is not None:
         report.notes += weights.account(loaded.weights, len(every_reader),
                                         {reader.tensor_name for reader in every_reader}, strict)
-    copied = _copied_weights(loaded, models, readers, settings)
+    origins = _weight_origins(loaded, models, readers, settings)
 
     package_bytes = _package_bytes(report, tokenizer_bytes)
     destination.require_space(target, package_bytes)
     try:
         with destination.staging_folder(target) as staging:
             _write_package(staging, models, loaded, settings, report, stages, display)
-            if copied[0] is not None and (why_not := _read_once_each(models, readers)):
-                copied = None, why_not
+            if origins[0] is not None and (why_not := _read_once_each(models, readers)):
+                origins = None, why_not
     except OSError as error:
         if mapped := environment_error(error, package_bytes, where=target.path):
             raise mapped from error
         raise
-    return ExportedPackage(output_dir, report, settings.layout, plan, *copied)
+    return ExportedPackage(output_dir, report, settings.layout, plan, *origins)
 
 
-def _copied_weights(loaded, models, readers, settings: ExportSettings) -> tuple[dict | None, str | None]:
-    """Each session file's weights -> the checkpoint ranges they are copied from, or why the
-    package's weights are not all copies (``ExportedPackage.copied_weights``)."""
+def _weight_origins(loaded, models, readers, settings: ExportSettings) -> tuple[dict | None, str | None]:
+    """Each session file's weights -> where their bytes come from, or why the package's weights
+    depend on more than their checkpoint tensors (``ExportedPackage.weight_origins``)."""
     if not isinstance(loaded.weights, weights.SafetensorsWeights):
         return None, "the weights do not stream from a checkpoint folder's safetensors"
     if loaded.weights.compared_values:
         return None, "the checkpoint saves a tied tensor under two keys, whose values the export compared"
-    copied = {}
+    origins = {}
     for name, model in models.items():
-        session = weights.copied_weights(model, readers[name])
-        if session.ranges is None:
+        session = weights.weight_origins(model, readers[name])
+        if session.origins is None:
             return None, session.why_not
-        copied[SESSIONS[name].filename(settings)] = session.ranges
-    return copied, None
+        origins[SESSIONS[name].filename(settings)] = session.origins
+    return origins, None
 
 
 def _read_once_each(models, readers) -> str | None:
-    """Whether, once written, each weight the packages hold was read once (by the writer) and no
-    other at all: what ``copied_weights`` concluded before writing, confirmed (None), or why not."""
+    """Whether, once written, each weight was read by the writer once for each initializer made
+    from it and by nothing else: what ``weight_origins`` concluded before writing, confirmed
+    (None), or why not."""
     for name, model in models.items():
-        held = {id(value.const_value.raw) for value in model.graph.initializers.values() if weights.is_weight(value)}
+        expected = collections.Counter()
+        for value in model.graph.initializers.values():
+            chain = weights.made_from(value.const_value)
+            if chain is not None and chain[0] is not None:
+                expected[id(chain[0])] += 1
         for reader in readers[name]:
-            if reader.reads != (id(reader) in held):
+            if reader.reads != expected[id(reader)]:
                 return f"weight {reader.name} was read {reader.reads} times while the package was written"
     return None
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -42,8 +43,11 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from exporter import destination, fingerprints
 from exporter.cache_folder import KEY_FILENAME
@@ -160,11 +164,14 @@ def replay(root: Path, ingredients: dict[str, Any], folder: Path, output_dir: Pa
                 return None
             target = destination.check_destination(output_dir, overwrite)
             destination.require_space(target, record["package_bytes"])
-        with destination.staging_folder(target) as staging:
-            with stages.stage("package"):
-                _write(record, entry_files, checkpoint, staging)
-            report = _report(record, folder, root, entry)
-            save_report(report, stages, staging)
+        try:
+            with destination.staging_folder(target) as staging:
+                with stages.stage("package"):
+                    _write(record, entry_files, checkpoint, staging)
+                report = _report(record, folder, root, entry)
+                save_report(report, stages, staging)
+        except _NotRepeatable:
+            return None  # a weight numpy would not convert as torch does: the export makes it
     with contextlib.suppress(OSError):  # a read-only cache still serves
         os.utime(entry)  # recently used: pruned last
     return Replayed(output_dir, report)
@@ -187,7 +194,14 @@ def _fits(record: dict[str, Any], checkpoint: dict[str, tuple]) -> bool:
         for piece in pieces:
             if "literal" in piece:
                 continue
-            begin, end = checkpoint[piece["file"]][1][1][piece["key"]]["data_offsets"]
+            entry = checkpoint[piece["file"]][1][1][piece["key"]]
+            if "derive" in piece:
+                from exporter.derived_weights import derived_length
+
+                if derived_length(entry, piece["derive"]) != piece["length"]:
+                    return False
+                continue
+            begin, end = entry["data_offsets"]
             if not (0 <= piece["at"] and piece["at"] + piece["length"] <= end - begin):
                 return False
     except (KeyError, TypeError, ValueError, IndexError):
@@ -235,6 +249,10 @@ def _model_file_digest(relative: str) -> str | None:
     return None
 
 
+class _NotRepeatable(Exception):
+    """A derived weight of this checkpoint that numpy would not make as torch does."""
+
+
 def _write(record: dict[str, Any], entry_files: dict[str, Any], checkpoint: dict[str, tuple], staging: Path) -> None:
     literals = entry_files[LITERALS_FILENAME]
 
@@ -252,14 +270,42 @@ def _write(record: dict[str, Any], entry_files: dict[str, Any], checkpoint: dict
     for name, patches in record["inline_weights"].items():
         with open(staging / name, "r+b") as model_file:
             for patch in patches:
+                if "derive" in patch:
+                    _write_derived(patch, checkpoint, model_file, patch["at_in_model"])
+                    continue
                 file, offset = source_of(patch)
                 os.pwrite(model_file.fileno(), os.pread(file.fileno(), patch["length"], offset), patch["at_in_model"])
     for name, data in record["data_files"].items():
         with open(staging / name, "wb") as data_file:
             for piece in data["pieces"]:
+                if "derive" in piece:
+                    _write_derived(piece, checkpoint, data_file, piece["offset"])
+                    continue
                 file, offset = source_of(piece)
                 _copy_range(file, offset, data_file, piece["offset"], piece["length"])
             data_file.truncate(data["bytes"])
+
+
+def _write_derived(piece: dict[str, Any], checkpoint: dict[str, tuple], target, at: int) -> None:
+    """A derived weight (``exporter.derived_weights``), made from the new checkpoint's tensor."""
+    from exporter.derived_weights import NotRepeatable, derived_chunks
+
+    file, (data_start, header) = checkpoint[piece["file"]]
+    written = 0
+    try:
+        for chunk in derived_chunks(file, data_start, header[piece["key"]], piece["derive"]):
+            written += _write_all(target, chunk.reshape(-1).view(np.uint8), at + written)
+    except NotRepeatable as error:
+        raise _NotRepeatable(str(error)) from error
+    if written != piece["length"]:
+        raise OSError(f"{piece['key']} made {written} bytes where the record has {piece['length']}")
+
+
+def _write_all(target, data, at: int) -> int:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(target.fileno(), view[done:], at + done)
+    return done
 
 
 def _copy_range(source, source_offset: int, target, target_offset: int, length: int) -> None:
@@ -356,25 +402,67 @@ def record(root: Path, ingredients: dict[str, Any], folder: Path, package: Path,
 
 
 class _CheckpointRanges:
-    """Which checkpoint key, and where in its bytes, a ``FileRange`` of the folder's files holds
-    (found by the name of the file the export opened, ``FileRange.file_name``)."""
+    """Which checkpoint key, and where in its bytes or how from its values, a weight's bytes come:
+    a ``FileRange`` found by the name of the file the export opened (``FileRange.file_name``), or
+    a ``DerivedWeight``'s tensor."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.files: dict[str, tuple[int, dict[str, Any]]] = {}
 
-    def piece(self, stored) -> dict[str, Any] | None:
-        name = stored.file_name
+    def _header(self, name: str) -> tuple[int, dict[str, Any]] | None:
         if not name or not _inside(name) or not (self.folder / name).is_file():
             return None
         if name not in self.files:
             self.files[name] = _safetensors_header(self.folder / name)
-        data_start, header = self.files[name]
+        return self.files[name]
+
+    def piece(self, origin) -> dict[str, Any] | None:
+        from exporter.weights import DerivedWeight
+
+        if isinstance(origin, DerivedWeight):
+            return self._derived_piece(origin)
+        name = origin.file_name
+        if (found := self._header(name)) is None:
+            return None
+        data_start, header = found
         for key, entry in header.items():
             begin, end = (data_start + offset for offset in entry["data_offsets"])
-            if begin <= stored.offset and stored.offset + stored.length <= end and (begin < end):
-                return {"file": name, "key": key, "at": stored.offset - begin, "length": stored.length}
+            if begin <= origin.offset and origin.offset + origin.length <= end and (begin < end):
+                return {"file": name, "key": key, "at": origin.offset - begin, "length": origin.length}
         return None
+
+    def _derived_piece(self, derived) -> dict[str, Any] | None:
+        from exporter.derived_weights import derived_length
+
+        stored = derived.stored
+        if (found := self._header(stored.file_name)) is None:
+            return None
+        entry = found[1].get(stored.key)
+        if entry is None or (entry["dtype"], tuple(entry["shape"])) != (stored.dtype, stored.shape):
+            return None
+        derive = {"index": None if derived.index is None else [list(cut) for cut in derived.index],
+                  "to": derived.dtype, "steps": [[step, argument if step == "cast" else list(argument)]
+                            for step, argument in derived.steps]}
+        return {"file": stored.file_name, "key": stored.key, "derive": derive, "length": derived_length(entry, derive)}
+
+    def derived_bytes_equal(self, piece: dict[str, Any], expected: Callable[[int, int], bytes]) -> bool:
+        """Whether numpy makes ``piece`` from this checkpoint as the export did: the bytes
+        ``expected(at, length)`` gives."""
+        from exporter.derived_weights import NotRepeatable, derived_chunks
+
+        data_start, header = self.files[piece["file"]]
+        at = 0
+        with open(self.folder / piece["file"], "rb") as file:
+            try:
+                for chunk in derived_chunks(file, data_start, header[piece["key"]], piece["derive"]):
+                    made = chunk.reshape(-1).view(np.uint8)
+                    if expected(at, made.size) != made.tobytes():
+                        return False
+                    at += made.size
+            except NotRepeatable:
+                return False
+        return at == piece["length"]
 
 
 def _locate_initializers(package: Path, name: str, weights: dict[str, Any], checkpoint: _CheckpointRanges):
@@ -393,14 +481,21 @@ def _locate_initializers(package: Path, name: str, weights: dict[str, Any], chec
     for tensor in proto.graph.initializer:
         piece = checkpoint.piece(weights[tensor.name]) if tensor.name in weights else None
         if tensor.name in weights and piece is None:
-            return f"weight {tensor.name} is copied from a file outside the checkpoint's safetensors"
+            return f"weight {tensor.name} is made from a file outside the checkpoint's safetensors"
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             where = {entry.key: entry.value for entry in tensor.external_data}
             data_name = (Path(name).parent / where["location"]).as_posix()
-            pieces_of.setdefault(data_name, []).append((int(where.get("offset", 0)), int(where["length"]), piece))
+            offset, length = int(where.get("offset", 0)), int(where["length"])
+            pieces_of.setdefault(data_name, []).append((offset, length, piece))
+            if piece is not None and "derive" in piece and (length != piece["length"] or not checkpoint.derived_bytes_equal(
+                    piece, functools.partial(_read_at, package / data_name, offset))):
+                return f"weight {tensor.name}: numpy does not make its bytes as torch did"
         elif piece is not None:
             if len(tensor.raw_data) != piece["length"]:
                 return f"weight {tensor.name} is stored inside {model_path.name} in a form other than its bytes"
+            if "derive" in piece and not checkpoint.derived_bytes_equal(
+                    piece, lambda at, length, raw=tensor.raw_data: raw[at:at + length]):
+                return f"weight {tensor.name}: numpy does not make its bytes as torch did"
             inline.append((tensor, piece))
     # Where each inline weight's bytes sit: the model serialized with them all zeros and all ones
     # differs in exactly those bytes, one run per weight, in the file's order.
@@ -426,6 +521,11 @@ def _locate_initializers(package: Path, name: str, weights: dict[str, Any], chec
     return positions, pieces_of
 
 
+def _read_at(path: Path, offset: int, at: int, length: int) -> bytes:
+    with open(path, "rb") as file:
+        return os.pread(file.fileno(), length, offset + at)
+
+
 def _data_file_record(package: Path, data_name: str, pieces: list, literals) -> dict[str, Any]:
     """A data file as pieces in order: checkpoint pieces, and every other byte range (constants,
     padding) copied into the record's literals."""
@@ -443,7 +543,8 @@ def _data_file_record(package: Path, data_name: str, pieces: list, literals) -> 
                 continue
             if offset > at:
                 literal(at, offset)
-            ordered.append({"offset": offset, "length": length, **{k: piece[k] for k in ("file", "key", "at")}})
+            ordered.append({"offset": offset, "length": length,
+                            **{k: piece[k] for k in ("file", "key", "at", "derive") if k in piece}})
             at = offset + length
         if size > at:
             literal(at, size)

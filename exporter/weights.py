@@ -100,6 +100,11 @@ class WeightSource(Protocol):
         stores them, if one does (a checkpoint whose tensor has the package's dtype)."""
         ...
 
+    def stored_tensor(self, name: str) -> StoredTensor | None:
+        """Which file and key store ``name`` as one tensor, if one does (a checkpoint's tensor that
+        no conversion of transformers' builds from several)."""
+        ...
+
 
 @dataclass(frozen=True)
 class FileRange:
@@ -111,6 +116,17 @@ class FileRange:
     offset: int
     length: int
     file_name: str = ""  # its name in the checkpoint folder, the file the export opened (a replay records it)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A checkpoint tensor as stored: its file (the name the export opened), key, safetensors dtype
+    name and shape."""
+
+    file_name: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
 
 
 def build_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -185,6 +201,9 @@ class RandomWeights:
     def verbatim_range(self, name: str, index: Index, dtype: ir.DataType) -> None:
         return None  # drawn, not stored
 
+    def stored_tensor(self, name: str) -> None:
+        return None
+
     def tensor(self, name: str, index: Index, dtype: torch.dtype) -> torch.Tensor:
         shape = _sliced_shape(self.shapes[name], index)
         if len(shape) < 2:
@@ -215,6 +234,9 @@ class ModelWeights:
 
     def verbatim_range(self, name: str, index: Index, dtype: ir.DataType) -> None:
         return None  # in memory, not in a file
+
+    def stored_tensor(self, name: str) -> None:
+        return None
 
 
 def _open_safetensors(path: Path):
@@ -422,6 +444,13 @@ class SafetensorsWeights:
             self._prefix = prefixes.most_common(1)[0][0] if prefixes else None
         return self._prefix
 
+    def stored_tensor(self, name: str) -> StoredTensor | None:
+        if name in self.converted.groups:
+            return None
+        key = self.key_of(name)
+        entry = self._header(self.file_of[key])[1][key]
+        return StoredTensor(self.file_of[key], key, entry["dtype"], tuple(entry["shape"]))
+
     def verbatim_range(self, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
         """The bytes of ``name``, or of its slice ``index``, where a checkpoint file stores them in
         ``dtype`` as they are: a tensor kept in that dtype and unconverted, whole or cut along its
@@ -472,6 +501,7 @@ _SAFETENSORS_IR_DTYPES = {
     "I64": ir.DataType.INT64, "I32": ir.DataType.INT32, "I16": ir.DataType.INT16, "I8": ir.DataType.INT8,
     "U8": ir.DataType.UINT8,
 }
+_IR_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _SAFETENSORS_IR_DTYPES.items()}
 
 
 def _leading_rows(shape: tuple[int, ...], index: Index) -> tuple[int, int] | None:
@@ -545,6 +575,7 @@ class WeightReader:
         self.source, self.tensor_name, self.index, self.name = source, tensor_name, index, name
         self.dtype, self.shape = dtype, shape
         self.copied_from = source.verbatim_range(tensor_name, index, dtype)
+        self.stored = source.stored_tensor(tensor_name)
         self.reads = 0
 
     def __call__(self) -> ir.TensorProtocol:
@@ -582,32 +613,101 @@ def is_weight(value: ir.Value) -> bool:
 
 
 @dataclass(frozen=True)
-class CopiedWeights:
-    """Each weight initializer of a model -> the checkpoint range its bytes are copied from, where
-    every byte the package holds that a weight decides is such a copy (``ranges``); else why not
-    (``why_not``)."""
+class DerivedWeight:
+    """An initializer whose bytes are made from one stored checkpoint tensor by steps numpy repeats
+    bit for bit: its cut ``index`` (a ``[start, stop)`` per leading axis, or None), its values in
+    ``dtype`` (a safetensors dtype name: an exact widening, or a rounding to nearest even), then
+    ``steps`` in order, each ``("reshape", dims)``, ``("transpose", perm)`` or ``("cast", dtype)``
+    (``onnx_passes.weight_casts``, numpy's cast in the export too)."""
 
-    ranges: dict[str, FileRange] | None
+    stored: StoredTensor
+    index: tuple[tuple[int, int], ...] | None
+    dtype: str
+    steps: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+# Conversions a replay makes with numpy (``exporter.derived_weights``) as torch does: between
+# floating types, where a widening is exact and a narrowing rounds to nearest even in both.
+_DERIVABLE_DTYPES = frozenset({"F32", "F16", "BF16"})
+
+WeightOrigin = FileRange | DerivedWeight
+
+
+@dataclass(frozen=True)
+class WeightOrigins:
+    """Each weight initializer of a model -> where its bytes come from: a checkpoint range copied as
+    it is (``FileRange``), or one checkpoint tensor cut, converted and laid out by steps numpy
+    repeats (``DerivedWeight``). ``origins`` is None where a weight's bytes depend on more than
+    that (``why_not``)."""
+
+    origins: dict[str, WeightOrigin] | None
     why_not: str | None = None
 
 
-def copied_weights(model: ir.Model, readers: list[WeightReader]) -> CopiedWeights:
-    """Whether ``model``'s weights are copies of the checkpoint as it stores them, read by nothing
-    but the writer: no weight converted, none read by a pass (which may have decided the graph or
-    made another tensor from it), and no initializer a lazy step over a weight (a folded transpose
-    or reshape, which reads it only when written). Called after the passes, before writing."""
+def weight_origins(model: ir.Model, readers: list[WeightReader]) -> WeightOrigins:
+    """Where each weight initializer of ``model`` comes from, where no weight was read by a pass
+    (which may have decided the graph or made another tensor from it) and every initializer made
+    when written is one stored tensor, cut, converted, reshaped or transposed (a folded transpose:
+    ``onnx_passes.fold_weight_transposes``). Called after the passes, before writing."""
     for reader in readers:
-        if reader.copied_from is None:
-            return CopiedWeights(None, f"weight {reader.name} is not stored as the checkpoint stores it (converted "
-                                       "to another dtype, cut across rows, or empty)")
         if reader.reads:
-            return CopiedWeights(None, f"weight {reader.name} was read by a pass before the package was written")
+            return WeightOrigins(None, f"weight {reader.name} was read by a pass before the package was written")
+    origins: dict[str, WeightOrigin] = {}
     for name, value in model.graph.initializers.items():
-        if isinstance(value.const_value, ir.LazyTensor) and not is_weight(value):
-            return CopiedWeights(None, f"initializer {name} is made from weights when written "
-                                       "(a folded transpose or reshape)")
-    return CopiedWeights({name: value.const_value.raw.copied_from
-                          for name, value in model.graph.initializers.items() if is_weight(value)})
+        if not isinstance(value.const_value, ir.LazyTensor):
+            continue
+        chain = made_from(value.const_value)
+        if chain is None:
+            return WeightOrigins(None, f"initializer {name} is made from weights when written in a way a replay "
+                                       "does not repeat (such as int4 blocks)")
+        reader, steps = chain
+        if reader is None:
+            continue  # a constant, transposed: no weight decides its bytes
+        origin = _origin(reader, steps)
+        if origin is None:
+            return WeightOrigins(None, f"weight {reader.name} is made from the checkpoint in a way a replay does "
+                                       "not repeat (a non-float conversion, several stored tensors, or empty)")
+        origins[name] = origin
+    return WeightOrigins(origins)
+
+
+def made_from(tensor: ir.TensorProtocol) -> tuple[WeightReader | None, tuple] | None:
+    """The weight reader a lazy initializer's chain starts from (None for a constant) and the
+    folded steps applied to it in order; None for any other lazy tensor."""
+    from exporter.onnx_passes.fold_weight_transposes import ReshapedWeight, TransposedWeight
+    from exporter.onnx_passes.weight_casts import CastWeight
+
+    steps = []
+    while isinstance(tensor, ir.LazyTensor):
+        made = tensor.raw
+        if isinstance(made, WeightReader):
+            return made, tuple(reversed(steps))
+        if isinstance(made, TransposedWeight):
+            steps.append(("transpose", tuple(made.perm)))
+        elif isinstance(made, ReshapedWeight):
+            steps.append(("reshape", tuple(made.dims)))
+        elif isinstance(made, CastWeight) and made.dtype in _IR_SAFETENSORS_DTYPES:
+            steps.append(("cast", _IR_SAFETENSORS_DTYPES[made.dtype]))
+        else:
+            return None
+        tensor = made.tensor
+    return None, tuple(reversed(steps))
+
+
+def _origin(reader: WeightReader, steps: tuple) -> WeightOrigin | None:
+    if reader.copied_from is not None and not steps:
+        return reader.copied_from
+    stored, dtype = reader.stored, _IR_SAFETENSORS_DTYPES.get(reader.dtype)
+    if stored is None or dtype is None or math.prod(reader.shape.numpy()) == 0:
+        return None
+    if stored.dtype != dtype and not {stored.dtype, dtype} <= _DERIVABLE_DTYPES:
+        return None
+    index = None
+    if reader.index is not None:
+        index = tuple(s.indices(n)[:2] for s, n in zip(reader.index, stored.shape, strict=False))
+        if any(s.step not in (None, 1) for s in reader.index):
+            return None
+    return DerivedWeight(stored, index, dtype, steps)
 
 
 def recipes_to_json(recipes: Recipes) -> dict[str, list]:

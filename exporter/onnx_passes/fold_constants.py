@@ -10,6 +10,7 @@ from onnx_ir.passes import common
 from onnxscript.optimizer import _constant_folding
 
 from exporter.onnx_passes.base import run_in_place
+from exporter.onnx_passes.weight_casts import fold_weight_casts
 
 
 def fold_constants_pass() -> ir.passes.PassBase:
@@ -36,7 +37,8 @@ class FoldConstants:
         return "the norm fusions cast scales to the input's dtype: constants to fold"
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+        weight_casts = fold_weight_casts(model.graph)  # lazily: the folder would read the weights now
         run_in_place(fold_constants_pass(), model)
         if self.after_fusions:
             run_in_place(common.RemoveUnusedNodesPass(), model)
-        return {}
+        return {"weight_casts_folded": weight_casts}

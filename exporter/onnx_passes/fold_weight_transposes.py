@@ -5,6 +5,7 @@ is written (a streamed weight is read once)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -56,11 +57,8 @@ class FoldWeightTransposes:
             perm = list(node.attributes.get_ints("perm", list(reversed(range(rank)))))
             shape = ir.Shape([tensor.shape[p] for p in perm])
             name = out.name
-
-            def transposed(tensor=tensor, perm=perm, name=name) -> ir.TensorProtocol:
-                return ir.Tensor(_transposed(tensor.numpy(), perm), name=name)
-
-            lazy = ir.LazyTensor(transposed, dtype=tensor.dtype, shape=shape, name=name)
+            lazy = ir.LazyTensor(TransposedWeight(tensor, tuple(perm), name), dtype=tensor.dtype, shape=shape,
+                                 name=name)
             replacement = ir.Value(name=name, shape=shape, type=ir.TensorType(tensor.dtype), const_value=lazy)
             out.name = None
             ir.convenience.replace_all_uses_with(out, replacement)
@@ -71,6 +69,33 @@ class FoldWeightTransposes:
             folded += 1
         return {"weights_transposed": folded, "weights_read_transposed": read_transposed,
                 "tied_weights_read_transposed": tied, "weights_reshaped": reshaped}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedWeight:
+    """What a folded ``Transpose(weight)``'s lazy initializer calls when written: ``tensor`` (the
+    weight's own lazy tensor, or a constant) in the ``perm`` layout. A replay repeats it
+    (``exporter.replay``), so it says what it does."""
+
+    tensor: ir.TensorProtocol
+    perm: tuple[int, ...]
+    name: str
+
+    def __call__(self) -> ir.TensorProtocol:
+        return ir.Tensor(_transposed(self.tensor.numpy(), list(self.perm)), name=self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshapedWeight:
+    """What a folded ``Reshape(weight)``'s lazy initializer calls when written: ``tensor`` in
+    ``dims``."""
+
+    tensor: ir.TensorProtocol
+    dims: tuple[int, ...]
+    name: str
+
+    def __call__(self) -> ir.TensorProtocol:
+        return ir.Tensor(np.ascontiguousarray(self.tensor.numpy().reshape(self.dims)), name=self.name)
 
 
 def _transposed(array: np.ndarray, perm: list[int]) -> np.ndarray:
@@ -102,11 +127,7 @@ def _fold_weight_reshape(node: ir.Node, graph: ir.Graph) -> int:
     dims = [tensor.shape[i] if d == 0 else d for i, d in enumerate(dims)]
     shape = ir.Shape(np.empty(tuple(tensor.shape), dtype=np.uint8).reshape(dims).shape)  # resolves a -1
     name = out.name
-
-    def reshaped(tensor=tensor, dims=tuple(shape), name=name) -> ir.TensorProtocol:
-        return ir.Tensor(np.ascontiguousarray(tensor.numpy().reshape(dims)), name=name)
-
-    lazy = ir.LazyTensor(reshaped, dtype=tensor.dtype, shape=shape, name=name)
+    lazy = ir.LazyTensor(ReshapedWeight(tensor, tuple(shape), name), dtype=tensor.dtype, shape=shape, name=name)
     replacement = ir.Value(name=name, shape=shape, type=ir.TensorType(tensor.dtype), const_value=lazy)
     out.name = None
     ir.convenience.replace_all_uses_with(out, replacement)

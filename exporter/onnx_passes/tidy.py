@@ -13,7 +13,6 @@ from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.rules.common import collapse_slice_rule
 
 from exporter.onnx_passes.base import run_in_place
-from exporter.weights import is_weight
 
 
 def _before_slices() -> list[ir.passes.PassBase]:
@@ -36,16 +35,18 @@ def _after_slices() -> list[ir.passes.PassBase]:
 
 
 class DeduplicateConstantsPass(common.DeduplicateInitializersPass):
-    """onnx_ir's deduplication of equal initializers, over the constants only: weights stay apart
-    even where their values are equal (fresh-init norms), so that no weight value decides the
-    graph, and no weight is read before the package is written (what lets the command line replay
-    an export with another checkpoint's weights: ``exporter.replay``). The weights are set aside
+    """onnx_ir's deduplication of equal initializers, over the constants only: weights, and what
+    folded passes make of them when written (a transposed or cast weight: every lazy initializer),
+    stay apart even where their values are equal (fresh-init norms), so that no weight value decides
+    the graph, and no weight is read before the package is written (what lets the command line
+    replay an export with another checkpoint's weights: ``exporter.replay``). They are set aside
     while onnx_ir's pass runs and put back in their order."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         order = list(graph.initializers)
-        weights = {name: graph.initializers.pop(name) for name in order if is_weight(graph.initializers[name])}
+        weights = {name: graph.initializers.pop(name) for name in order
+                   if isinstance(graph.initializers[name].const_value, ir.LazyTensor)}
         try:
             return super().call(model)
         finally:

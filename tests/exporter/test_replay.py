@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers.checkpoints import save_checkpoint, training_run_checkpoint
 
@@ -160,28 +161,70 @@ def not_recorded_because(capsys, folder: Path, tmp_path: Path, *flags: str) -> s
     return next(line for line in said.splitlines() if line.startswith("replay: "))
 
 
-def test_weights_not_copied_as_stored_are_not_recorded(checkpoints, tmp_path, capsys):
-    """Converted weights (a bf16 checkpoint exported at fp32), weights a pass reads (int4), weights
-    a pass folds lazily (a transpose where the EP has no FusedMatMul), and tied copies whose values
-    the export compared all depend on values a replay would not see."""
-    import torch
+def test_weights_made_otherwise_are_not_recorded(checkpoints, tmp_path, capsys):
+    """Weights a pass makes from values (int4 blocks), tensors transformers' converters build from
+    several stored ones (per-expert weights stacked), and tied copies whose values the export
+    compared all depend on more than what a replay repeats."""
     from safetensors.torch import load_file, save_file
 
-    model, tokenizer = training_run_checkpoint(PRESET, 2)
-    bf16 = save_checkpoint(model.to(torch.bfloat16), tokenizer, tmp_path / "bf16")
-    assert "is not stored as the checkpoint stores it" in not_recorded_because(capsys, bf16, tmp_path / "a")
+    assert "int4 blocks" in not_recorded_because(capsys, checkpoints[0], tmp_path / "a", "--precision", "int4")
 
-    assert "read by a pass" in not_recorded_because(capsys, checkpoints[0], tmp_path / "b", "--precision", "int4")
-
-    llama = save_checkpoint(*training_run_checkpoint("tiny-llama", 0), tmp_path / "llama")
-    assert "made from weights when written" in not_recorded_because(capsys, llama, tmp_path / "c", "--ep", "cuda",
-                                                                     "--precision", "fp32")
+    moe = save_checkpoint(*training_run_checkpoint("tiny-qwen3-moe", 0), tmp_path / "moe")
+    assert "a way a replay does not repeat" in not_recorded_because(capsys, moe, tmp_path / "b")
 
     tied = Path(shutil.copytree(checkpoints[1], tmp_path / "tied"))
     tensors = load_file(tied / "model.safetensors")
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, tied / "model.safetensors", metadata={"format": "pt"})
     assert "tied tensor under two keys" in not_recorded_because(capsys, tied, tmp_path / "d")
+
+
+@pytest.mark.parametrize("ep", ["cpu", "webgpu"])
+def test_converted_cast_and_transposed_weights_replay_byte_identical(ep, tmp_path, capsys, monkeypatch):
+    """A bf16 checkpoint, as Google saves Gemma 4 and a bf16 training run saves its steps: cpu
+    fp32 converts every weight (exact), webgpu fp16 rounds them, transposes the matrices and casts
+    the norm scales back to fp32. A replay makes them all with numpy, byte for byte; a NaN it would
+    have to narrow is exported instead; and a record keeps only what numpy made as the export did."""
+    import torch
+
+    from exporter import derived_weights
+
+    bf16 = [save_checkpoint(training_run_checkpoint(PRESET, seed)[0].to(torch.bfloat16),
+                            training_run_checkpoint(PRESET, seed)[1], tmp_path / f"bf16-{seed}") for seed in (0, 1)]
+    cache = str(tmp_path / "cache")
+    cli(capsys, bf16[0], tmp_path / "first", "--ep", ep, "--cache-dir", cache)
+    record = json.loads(next((tmp_path / "cache").glob(f"*/{replay.RECORD_FILENAME}")).read_text())
+    steps = {step for data in record["data_files"].values() for piece in data["pieces"] if "derive" in piece
+             for step, _ in piece["derive"]["steps"]}
+    assert steps == ({"transpose"} if ep == "webgpu" else set())
+    inline_casts = [p for p in record["inline_weights"]["model.onnx"] if ["cast", "F32"] in p["derive"]["steps"]]
+    assert bool(inline_casts) == (ep == "webgpu")
+    summary, _ = cli(capsys, bf16[1], tmp_path / "replayed", "--ep", ep, "--cache-dir", cache)
+    assert summary["graph_cache"]["sessions"] == {"decoder": "replayed"}
+    cli(capsys, bf16[1], tmp_path / "uncached", "--ep", ep, "--no-cache")
+    assert package_digests(tmp_path / "replayed") == package_digests(tmp_path / "uncached")
+    if ep == "cpu":
+        return
+
+    from safetensors.torch import load_file, save_file
+
+    nan = Path(shutil.copytree(bf16[1], tmp_path / "nan"))
+    tensors = load_file(nan / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, nan / "model.safetensors", metadata={"format": "pt"})
+    summary, said = cli(capsys, nan, tmp_path / "nan-package", "--ep", ep, "--cache-dir", cache)
+    assert summary["graph_cache"]["sessions"] == {"decoder": "hit"}, said
+
+    made_otherwise = derived_weights.derived_chunks
+
+    def off_by_one_bit(*args):
+        for chunk in made_otherwise(*args):
+            chunk.reshape(-1).view(np.uint8)[0] ^= 1
+            yield chunk
+
+    monkeypatch.setattr(derived_weights, "derived_chunks", off_by_one_bit)
+    assert "numpy does not make its bytes as torch did" in not_recorded_because(
+        capsys, bf16[0], tmp_path / "differs", "--ep", ep)
 
 
 def test_a_damaged_checkpoint_is_refused_as_without_a_cache(checkpoints, cache, tmp_path, capsys):

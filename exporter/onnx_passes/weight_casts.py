@@ -1,0 +1,82 @@
+"""What onnxscript's constant folder would do to a weight, done without reading it: ``Identity``
+and same-type ``CastLike`` of a weight become the weight itself, and ``Cast`` / ``CastLike`` of a
+weight between float types (where the folder would fold it: inputs of at most its size limit, such
+as norm scales cast to fp32 in an fp16 export) becomes one lazy initializer of the cast values,
+computed when the package is written. So the folder reads no weight for these, and each weight's
+bytes stay a function of its checkpoint tensor that a replay repeats (``exporter.derived_weights``,
+with the same numpy cast the folder evaluates). Other folds of weights (Gemma 2's ``1 + weight``
+norm scales; in the multimodal towers a Gather, a Mul and a MatMul over the position table) are
+still the folder's: it reads those weights, and such a package is not recorded as a replay.
+Leaving them to run time would cost every step a node per norm."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.optimizer import _constant_folding
+
+# The folder's own limit: larger weights stay cast at run time, as it leaves them.
+_FOLDED_SIZE_LIMIT = _constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+@dataclasses.dataclass(frozen=True)
+class CastWeight:
+    """What a folded ``Cast(weight)``'s lazy initializer calls when written: ``tensor`` (a weight's
+    lazy tensor) in ``dtype``, rounded to nearest even where it narrows."""
+
+    tensor: ir.TensorProtocol
+    dtype: ir.DataType
+    name: str
+
+    def __call__(self) -> ir.TensorProtocol:
+        with np.errstate(over="ignore"):  # past fp16's range: infinities, as a cast at run time gives
+            return ir.Tensor(self.tensor.numpy().astype(self.dtype.numpy()), name=self.name)
+
+
+def fold_weight_casts(graph: ir.Graph) -> int:
+    """Every ``Identity``, ``Cast`` and ``CastLike`` of a lazy weight made a weight or a lazy cast
+    of one; returns how many."""
+    folded = 0
+    for node in list(graph):
+        if node.domain != "" or node.op_type not in ("Identity", "Cast", "CastLike"):
+            continue
+        source, out = node.inputs[0], node.outputs[0]
+        if source is None or not source.is_initializer() or source in graph.outputs or out in graph.outputs:
+            continue
+        tensor = source.const_value
+        if not _is_made_from_weight(tensor):
+            continue  # a constant: the folder's
+        if node.op_type == "Cast":
+            dtype = ir.DataType(node.attributes.get_int("to"))
+        elif node.op_type == "CastLike":
+            dtype = node.inputs[1].dtype if node.inputs[1] is not None else None
+        else:
+            dtype = tensor.dtype
+        if dtype == tensor.dtype:
+            replacement = source
+        elif tensor.dtype in _FLOAT_TYPES and dtype in _FLOAT_TYPES and tensor.size <= _FOLDED_SIZE_LIMIT:
+            name = out.name
+            lazy = ir.LazyTensor(CastWeight(tensor, dtype, name), dtype=dtype, shape=tensor.shape, name=name)
+            replacement = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(dtype), const_value=lazy)
+            out.name = None
+            graph.register_initializer(replacement)
+        else:
+            continue
+        ir.convenience.replace_all_uses_with(out, replacement)
+        graph.remove(node, safe=True)
+        if not source.uses() and source is not replacement:
+            graph.initializers.pop(source.name)
+        folded += 1
+    return folded
+
+
+def _is_made_from_weight(tensor) -> bool:
+    from exporter.weights import made_from
+
+    if not isinstance(tensor, ir.LazyTensor):
+        return False
+    chain = made_from(tensor)
+    return chain is None or chain[0] is not None  # an unknown lazy tensor may be a weight's too
