@@ -8,7 +8,9 @@ One graph serves prefill (past = 0) and decode (seq = 1).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -228,11 +230,15 @@ def _without_stack_traces() -> Iterator[None]:
 
 @contextlib.contextmanager
 def ordered_string_sets(model: torch.nn.Module) -> Iterator[None]:
-    """Iterate modules' sets of strings in sorted order while tracing.
+    """Iterate sets of strings in sorted order while tracing.
 
-    Some models loop over a set (Gemma 4: ``unique_layer_types``, one rotary table per layer type),
-    and string hashing is randomised per process, so the traced node order, and with it the ONNX
-    file, would differ from run to run. A sorted list iterates and answers ``in`` the same way.
+    Some models loop over a set (Gemma 4: ``unique_layer_types``, one rotary table per layer type;
+    Llama 4: ``for layer_type in set(self.config.layer_types)``, one mask per layer type), and
+    string hashing is randomised per process, so the traced node order, and with it the ONNX file,
+    would differ from run to run. A module attribute that is a set of strings becomes a sorted list
+    (it iterates and answers ``in`` the same way); a set the forward builds with ``set(...)`` in the
+    module that defines one of the model's classes is a ``_SortedStringSet``, which iterates
+    strings in sorted order.
     """
     replaced = []
     for module in model.modules():
@@ -240,8 +246,34 @@ def ordered_string_sets(model: torch.nn.Module) -> Iterator[None]:
             if isinstance(value, (set, frozenset)) and value and all(isinstance(v, str) for v in value):
                 replaced.append((module, attribute, value))
                 setattr(module, attribute, sorted(value))
+    namespaces = [vars(sys.modules[name]) for name in sorted({type(m).__module__ for m in model.modules()})
+                  if name in sys.modules and "set" not in vars(sys.modules[name])]
+    for namespace in namespaces:
+        namespace["set"] = _SortedStringSet
     try:
         yield
     finally:
         for module, attribute, value in replaced:
             setattr(module, attribute, value)
+        for namespace in namespaces:
+            namespace.pop("set", None)
+
+
+class _AnySet(type):
+    """``isinstance(x, set)`` in a module whose ``set`` is ``_SortedStringSet`` still means any set."""
+
+    def __instancecheck__(cls, instance) -> bool:
+        return isinstance(instance, builtins.set)
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        return issubclass(subclass, builtins.set)
+
+
+class _SortedStringSet(builtins.set, metaclass=_AnySet):
+    """A set whose iteration is sorted where it holds strings only (else the set's own order)."""
+
+    def __iter__(self):
+        items = list(builtins.set.__iter__(self))
+        if all(isinstance(item, str) for item in items):
+            items.sort()
+        return iter(items)
