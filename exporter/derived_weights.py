@@ -2,11 +2,13 @@
 made it with torch (``weights.DerivedWeight``): a cut, a conversion between floating types, then
 reshapes and transposes.
 
-Why numpy's bytes are torch's: a widening (bf16 or fp16 to fp32) is exact in both, and a narrowing
-(fp32 to fp16, bf16 to fp16, fp32 to bf16) rounds to nearest even in both, overflow to infinity
-and subnormals included; a cut, a reshape and a transpose move bytes. Only a NaN narrowed may
-differ (torch makes every NaN one canonical NaN on some paths and keeps payload bits on others),
-so such a weight is refused (``NotRepeatable``) and the command exports instead. A record checks
+Why numpy's bytes are torch's: bf16 to fp32 shifts the bits in both; every other conversion
+between fp32, fp16 and bf16 (fp16 to fp32 exactly; fp32 to fp16, bf16 to fp16, fp32 to bf16
+rounded to nearest even) gives the same bits in both for every value but a NaN, overflow to
+infinity, subnormals and signed zeros included; a cut, a reshape and a transpose move bytes. A NaN
+converted by any of those may differ (torch makes every NaN one canonical NaN on its scalar path,
+sets the quiet bit on its vector path, and numpy keeps payload bits), so a weight with one is
+refused (``NotRepeatable``) and the command exports instead. A record checks
 every derived weight against the package the export wrote before it keeps it
 (``exporter.replay``). Imports numpy and ml_dtypes only: a replay imports no torch.
 """
@@ -26,13 +28,13 @@ NUMPY_DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
 }
-# (stored, made) pairs where every value, NaN included, converts exactly.
-_EXACT = frozenset({("BF16", "F32"), ("F16", "F32")})
+# (stored, made) pairs that numpy converts as torch does for every value, NaN included.
+_EXACT = frozenset({("BF16", "F32")})
 _CHUNK_BYTES = 64 << 20
 
 
 class NotRepeatable(Exception):
-    """A weight whose bytes numpy would not make as torch did (a NaN narrowed)."""
+    """A weight whose bytes numpy would not make as torch did (a NaN converted)."""
 
 
 def derived_length(entry: dict[str, Any], derive: dict[str, Any]) -> int:
@@ -81,7 +83,8 @@ def derived_chunks(file: BinaryIO, data_start: int, entry: dict[str, Any], deriv
         with np.errstate(over="ignore"):  # values past fp16's range become infinities, as in torch
             chunk = view[start:start + rows].astype(converted, order="C")
             if not exact and np.isnan(chunk).any():
-                raise NotRepeatable(f"{entry['dtype']} -> {derive['to']} of a NaN")
+                raise NotRepeatable(f"it holds a NaN, which numpy and torch convert from {entry['dtype']} to "
+                                    f"{derive['to']} to different bytes")
             for cast in casts:
                 chunk = chunk.astype(cast)
         yield chunk

@@ -4,14 +4,16 @@ imports neither torch nor transformers, and traces, lowers and runs no pass: a t
 checkpoints re-export in the time their weights take to copy.
 
 After a command-line export of a folder, the package is recorded in the cache folder
-(``exporter.cache_folder``) as a replay, where every weight the package holds was copied file to
-file from the checkpoint as it is stored (``weights.copied_weights``: same dtype, unconverted, whole
-or whole rows), no value was read before writing, and no initializer is a lazy step over a weight:
-no pass looked at a weight or will make a tensor from one, so no value decided the graph. The record keeps every package file but the weight data and the
+(``exporter.cache_folder``) as a replay, where no value was read before writing (so no value
+decided the graph) and every weight the package holds is made from one checkpoint tensor by steps
+a replay repeats (``weights.weight_origins``): copied file to file as stored (same dtype, whole or
+whole rows), or cut, converted between float types, reshaped, transposed and cast
+(``weights.DerivedWeight``, made with numpy by ``exporter.derived_weights`` and checked against
+the package when recording). The record keeps every package file but the weight data and the
 report, and says where each byte range of the data files comes from: a checkpoint tensor (by key,
-so that the next checkpoint's own offsets are used), or bytes that depend on no weight (rotary
-tables, constants), kept in the record. Weights small enough to sit inside a model file are patched
-in place at positions found when recording.
+so that the next checkpoint's own offsets are used), copied or derived, or bytes that depend on no
+weight (rotary tables, constants), kept in the record. Weights small enough to sit inside a model
+file are patched in place at positions found when recording.
 
 The key (``fingerprint``) is a sha256 of: the replay format; the exporter's own files; the Python
 and library versions and the CPU architecture; the export's options; and every file of the folder
@@ -47,8 +49,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from exporter import destination, fingerprints
 from exporter.cache_folder import KEY_FILENAME
 from exporter.package import REPORT_FILENAME, REPORT_MARKDOWN_FILENAME, save_report
@@ -61,8 +61,8 @@ LITERALS_FILENAME = "literals.bin"
 FILES_FOLDER = "files"
 # What a replayed package depends on beyond the folder and the options: the graph (torch,
 # transformers, onnx*), the tokenizer files (transformers, tokenizers) and the model files'
-# serialization (protobuf).
-_LIBRARIES = (*fingerprints.GRAPH_LIBRARIES, "tokenizers", "sentencepiece", "protobuf", "safetensors")
+# serialization (protobuf); and the conversions a replay makes (numpy's, ml-dtypes' for bf16).
+_LIBRARIES = (*fingerprints.GRAPH_LIBRARIES, "tokenizers", "sentencepiece", "protobuf", "safetensors", "ml-dtypes")
 # Files no export of a folder with safetensors reads: the Trainer's state, rewritten at each save,
 # and weights in other formats (pickled optimizer and RNG states among them; GGUF, ONNX, ...),
 # which could take seconds to hash.
@@ -170,8 +170,9 @@ def replay(root: Path, ingredients: dict[str, Any], folder: Path, output_dir: Pa
                     _write(record, entry_files, checkpoint, staging)
                 report = _report(record, folder, root, entry)
                 save_report(report, stages, staging)
-        except _NotRepeatable:
-            return None  # a weight numpy would not convert as torch does: the export makes it
+        except _NotRepeatable as error:  # the export makes it, and says why it is not recorded
+            print(f"  not replayed: weight {error}", file=sys.stderr)
+            return None
     with contextlib.suppress(OSError):  # a read-only cache still serves
         os.utime(entry)  # recently used: pruned last
     return Replayed(output_dir, report)
@@ -294,9 +295,9 @@ def _write_derived(piece: dict[str, Any], checkpoint: dict[str, tuple], target, 
     written = 0
     try:
         for chunk in derived_chunks(file, data_start, header[piece["key"]], piece["derive"]):
-            written += _write_all(target, chunk.reshape(-1).view(np.uint8), at + written)
+            written += _write_all(target, chunk.reshape(-1).view("u1"), at + written)
     except NotRepeatable as error:
-        raise _NotRepeatable(str(error)) from error
+        raise _NotRepeatable(f"{piece['key']}: {error}") from error
     if written != piece["length"]:
         raise OSError(f"{piece['key']} made {written} bytes where the record has {piece['length']}")
 
@@ -345,11 +346,11 @@ def _report(record: dict[str, Any], folder: Path, root: Path, entry: Path) -> Ex
 # Recording (after a command-line export; imports onnx, which the export has imported already).
 
 def record(root: Path, ingredients: dict[str, Any], folder: Path, package: Path,
-           copied: dict[str, dict[str, Any]], report: dict[str, Any]) -> str | None:
+           origins: dict[str, dict[str, Any]], report: dict[str, Any]) -> str | None:
     """Record ``package``, exported from ``folder`` with ``ingredients``, as a replay; returns why
-    not where it cannot be. ``copied``: each model file -> its weight initializers -> the checkpoint
-    ``FileRange`` each was copied from (``ExportedPackage.copied_weights``). ``report``: the
-    package's report as written."""
+    not where it cannot be. ``origins``: each model file -> its weight initializers -> where each
+    one's bytes come from, a ``FileRange`` or a ``DerivedWeight`` (``ExportedPackage.weight_origins``).
+    ``report``: the package's report as written."""
     graph_cache = report.get("graph_cache", {})
     if "key" not in graph_cache:
         return f"the graph cache did not key the model ({graph_cache.get('off', 'no key')})"
@@ -362,7 +363,7 @@ def record(root: Path, ingredients: dict[str, Any], folder: Path, package: Path,
     scratch = Path(tempfile.mkdtemp(dir=root, prefix=f".{entry.name}."))
     try:
         inline, pieces_of, data_files = {}, {}, {}
-        for name, weights in copied.items():
+        for name, weights in origins.items():
             located = _locate_initializers(package, name, weights, checkpoint)
             if isinstance(located, str):
                 return located
@@ -446,9 +447,9 @@ class _CheckpointRanges:
                             for step, argument in derived.steps]}
         return {"file": stored.file_name, "key": stored.key, "derive": derive, "length": derived_length(entry, derive)}
 
-    def derived_bytes_equal(self, piece: dict[str, Any], expected: Callable[[int, int], bytes]) -> bool:
-        """Whether numpy makes ``piece`` from this checkpoint as the export did: the bytes
-        ``expected(at, length)`` gives."""
+    def derived_differs(self, piece: dict[str, Any], expected: Callable[[int, int], bytes]) -> str | None:
+        """None where numpy makes ``piece`` from this checkpoint as the export did (the bytes
+        ``expected(at, length)`` gives); else how it differs."""
         from exporter.derived_weights import NotRepeatable, derived_chunks
 
         data_start, header = self.files[piece["file"]]
@@ -456,13 +457,13 @@ class _CheckpointRanges:
         with open(self.folder / piece["file"], "rb") as file:
             try:
                 for chunk in derived_chunks(file, data_start, header[piece["key"]], piece["derive"]):
-                    made = chunk.reshape(-1).view(np.uint8)
+                    made = chunk.reshape(-1).view("u1")
                     if expected(at, made.size) != made.tobytes():
-                        return False
+                        return "numpy does not make its bytes as torch did"
                     at += made.size
-            except NotRepeatable:
-                return False
-        return at == piece["length"]
+            except NotRepeatable as error:
+                return str(error)
+        return None if at == piece["length"] else "numpy makes another length than the export wrote"
 
 
 def _locate_initializers(package: Path, name: str, weights: dict[str, Any], checkpoint: _CheckpointRanges):
@@ -487,15 +488,17 @@ def _locate_initializers(package: Path, name: str, weights: dict[str, Any], chec
             data_name = (Path(name).parent / where["location"]).as_posix()
             offset, length = int(where.get("offset", 0)), int(where["length"])
             pieces_of.setdefault(data_name, []).append((offset, length, piece))
-            if piece is not None and "derive" in piece and (length != piece["length"] or not checkpoint.derived_bytes_equal(
-                    piece, functools.partial(_read_at, package / data_name, offset))):
-                return f"weight {tensor.name}: numpy does not make its bytes as torch did"
+            if piece is not None and "derive" in piece:
+                differs = ("numpy makes another length than the export wrote" if length != piece["length"] else
+                           checkpoint.derived_differs(piece, functools.partial(_read_at, package / data_name, offset)))
+                if differs:
+                    return f"weight {tensor.name}: {differs}"
         elif piece is not None:
             if len(tensor.raw_data) != piece["length"]:
                 return f"weight {tensor.name} is stored inside {model_path.name} in a form other than its bytes"
-            if "derive" in piece and not checkpoint.derived_bytes_equal(
-                    piece, lambda at, length, raw=tensor.raw_data: raw[at:at + length]):
-                return f"weight {tensor.name}: numpy does not make its bytes as torch did"
+            if "derive" in piece and (differs := checkpoint.derived_differs(
+                    piece, lambda at, length, raw=tensor.raw_data: raw[at:at + length])):
+                return f"weight {tensor.name}: {differs}"
             inline.append((tensor, piece))
     # Where each inline weight's bytes sit: the model serialized with them all zeros and all ones
     # differs in exactly those bytes, one run per weight, in the file's order.

@@ -9,8 +9,10 @@ One graph serves prefill (past = 0) and decode (seq = 1).
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -246,17 +248,29 @@ def ordered_string_sets(model: torch.nn.Module) -> Iterator[None]:
             if isinstance(value, (set, frozenset)) and value and all(isinstance(v, str) for v in value):
                 replaced.append((module, attribute, value))
                 setattr(module, attribute, sorted(value))
-    namespaces = [vars(sys.modules[name]) for name in sorted({type(m).__module__ for m in model.modules()})
-                  if name in sys.modules and "set" not in vars(sys.modules[name])]
-    for namespace in namespaces:
-        namespace["set"] = _SortedStringSet
+    # The model's own modules (transformers', or a checkpoint's code), not torch's.
+    names = sorted({type(m).__module__ for m in model.modules()} - {None})
+    namespaces = [vars(sys.modules[name]) for name in names if name in sys.modules and name.split(".")[0] != "torch"]
+    with _SORTED_SETS_LOCK:
+        for namespace in namespaces:
+            if namespace.get("set", _SortedStringSet) is _SortedStringSet:  # a module's own set stays
+                namespace["set"] = _SortedStringSet
+                _SORTED_SETS_USERS[id(namespace)] += 1
     try:
         yield
     finally:
         for module, attribute, value in replaced:
             setattr(module, attribute, value)
-        for namespace in namespaces:
-            namespace.pop("set", None)
+        with _SORTED_SETS_LOCK:  # another thread's trace may still be in a module: the last one out restores
+            for namespace in namespaces:
+                if _SORTED_SETS_USERS[id(namespace)] > 0:
+                    _SORTED_SETS_USERS[id(namespace)] -= 1
+                    if _SORTED_SETS_USERS[id(namespace)] == 0:
+                        namespace.pop("set", None)
+
+
+_SORTED_SETS_LOCK = threading.Lock()
+_SORTED_SETS_USERS: collections.Counter[int] = collections.Counter()  # module namespace -> traces using it
 
 
 class _AnySet(type):

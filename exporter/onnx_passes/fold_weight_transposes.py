@@ -71,7 +71,7 @@ class FoldWeightTransposes:
                 "tied_weights_read_transposed": tied, "weights_reshaped": reshaped}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # equal only to itself: never compares tensors
 class TransposedWeight:
     """What a folded ``Transpose(weight)``'s lazy initializer calls when written: ``tensor`` (the
     weight's own lazy tensor, or a constant) in the ``perm`` layout. A replay repeats it
@@ -85,7 +85,7 @@ class TransposedWeight:
         return ir.Tensor(_transposed(self.tensor.numpy(), list(self.perm)), name=self.name)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # equal only to itself: never compares tensors
 class ReshapedWeight:
     """What a folded ``Reshape(weight)``'s lazy initializer calls when written: ``tensor`` in
     ``dims``."""

@@ -22,7 +22,7 @@ _FOLDED_SIZE_LIMIT = _constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
 _FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # equal only to itself: never compares tensors
 class CastWeight:
     """What a folded ``Cast(weight)``'s lazy initializer calls when written: ``tensor`` (a weight's
     lazy tensor) in ``dtype``, rounded to nearest even where it narrows."""

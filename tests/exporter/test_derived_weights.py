@@ -1,6 +1,7 @@
 """A replay makes converted, cut and transposed weights with numpy: its bytes must be torch's for
-every value a checkpoint can hold (subnormals, values past fp16's range, signed zeros), and a NaN
-narrowed, where torch's bytes are not one thing, must be refused."""
+every value but a NaN (subnormals, values past fp16's range, signed zeros, infinities), and a NaN
+converted, where torch's bytes are not numpy's (nor one thing), must be refused, except from bf16
+to fp32, which shifts the bits in both."""
 
 from __future__ import annotations
 
@@ -66,13 +67,21 @@ def test_a_table_larger_than_a_chunk_is_made_in_pieces(tmp_path, monkeypatch):
     assert made(tmp_path, stored, derive) == stored[13:290].to(torch.float32).view(torch.uint8).numpy().tobytes()
 
 
-def test_a_nan_narrowed_is_refused_and_a_nan_widened_is_kept(tmp_path):
-    stored = torch.tensor([1.0, float("nan"), 2.0])
-    with pytest.raises(NotRepeatable):
-        made(tmp_path, stored, {"index": None, "to": "F16", "steps": []})
-    widened = stored.to(torch.bfloat16)
-    assert made(tmp_path, widened, {"index": None, "to": "F32", "steps": []}) == (
-        widened.to(torch.float32).view(torch.uint8).numpy().tobytes())
+@pytest.mark.parametrize(("stored_dtype", "made_dtype"), [
+    (torch.float32, torch.float16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
+    (torch.float16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_a_nan_converted_is_refused(tmp_path, stored_dtype, made_dtype):
+    """fp16 to fp32 too: torch's scalar path makes 0x7fffffff of fp16's 0x7e00, numpy 0x7fc00000."""
+    stored = torch.tensor([1.0, float("nan"), 2.0]).to(stored_dtype)
+    with pytest.raises(NotRepeatable, match="NaN"):
+        made(tmp_path, stored, {"index": None, "to": SAFETENSORS_NAMES[made_dtype], "steps": []})
+
+
+def test_a_nan_kept_or_shifted_from_bf16_to_fp32_is_torchs(tmp_path):
+    stored = torch.tensor([1.0, float("nan"), -float("nan"), 2.0] * 5).to(torch.bfloat16)
+    for made_dtype in (torch.bfloat16, torch.float32):
+        derive = {"index": None, "to": SAFETENSORS_NAMES[made_dtype], "steps": []}
+        assert made(tmp_path, stored, derive) == stored.to(made_dtype).view(torch.uint8).numpy().tobytes()
 
 
 def test_a_cut_outside_the_tensor_has_no_length():

@@ -1,7 +1,8 @@
 """Command-line replays: a folder whose every input but its weight values was exported before is
 re-exported by copying that package with the new checkpoint's bytes, without torch or
 transformers; the package is byte-identical to one exported without any cache; anything that
-could change the package misses; a package whose weights are not copied as stored is not recorded.
+could change the package misses; a package whose weights are more than one checkpoint tensor each,
+copied, converted, cut, transposed or cast, is not recorded.
 """
 
 from __future__ import annotations
@@ -189,8 +190,10 @@ def test_converted_cast_and_transposed_weights_replay_byte_identical(ep, tmp_pat
 
     from exporter import derived_weights
 
-    bf16 = [save_checkpoint(training_run_checkpoint(PRESET, seed)[0].to(torch.bfloat16),
-                            training_run_checkpoint(PRESET, seed)[1], tmp_path / f"bf16-{seed}") for seed in (0, 1)]
+    bf16 = []
+    for seed in (0, 1):
+        model, tokenizer = training_run_checkpoint(PRESET, seed)
+        bf16.append(save_checkpoint(model.to(torch.bfloat16), tokenizer, tmp_path / f"bf16-{seed}"))
     cache = str(tmp_path / "cache")
     cli(capsys, bf16[0], tmp_path / "first", "--ep", ep, "--cache-dir", cache)
     record = json.loads(next((tmp_path / "cache").glob(f"*/{replay.RECORD_FILENAME}")).read_text())
@@ -214,6 +217,8 @@ def test_converted_cast_and_transposed_weights_replay_byte_identical(ep, tmp_pat
     save_file(tensors, nan / "model.safetensors", metadata={"format": "pt"})
     summary, said = cli(capsys, nan, tmp_path / "nan-package", "--ep", ep, "--cache-dir", cache)
     assert summary["graph_cache"]["sessions"] == {"decoder": "hit"}, said
+    assert "not replayed: weight model.layers.0.mlp.down_proj.weight: it holds a NaN" in said
+    assert "replay: not recorded: weight " in said and said.count("it holds a NaN") == 2
 
     made_otherwise = derived_weights.derived_chunks
 
