@@ -6,9 +6,10 @@ Why numpy's bytes are torch's: bf16 to fp32 shifts the bits in both; every other
 between fp32, fp16 and bf16 (fp16 to fp32 exactly; fp32 to fp16, bf16 to fp16, fp32 to bf16
 rounded to nearest even) gives the same bits in both for every value but a NaN, overflow to
 infinity, subnormals and signed zeros included; a cut, a reshape and a transpose move bytes. A NaN
-converted by any of those may differ (torch makes every NaN one canonical NaN on its scalar path,
-sets the quiet bit on its vector path, and numpy keeps payload bits), so a weight with one is
-refused (``NotRepeatable``) and the command exports instead. A record checks
+converted by any of those may differ: torch's NaN bytes depend on the pair (and for fp16 to fp32
+on the path: one canonical NaN on the scalar one, the quiet bit set on the vector one), and
+numpy's differ from them. So a weight with one is refused (``NotRepeatable``) and the command
+exports instead. A record checks
 every derived weight against the package the export wrote before it keeps it
 (``exporter.replay``). Imports numpy and ml_dtypes only: a replay imports no torch.
 """
@@ -83,8 +84,8 @@ def derived_chunks(file: BinaryIO, data_start: int, entry: dict[str, Any], deriv
         with np.errstate(over="ignore"):  # values past fp16's range become infinities, as in torch
             chunk = view[start:start + rows].astype(converted, order="C")
             if not exact and np.isnan(chunk).any():
-                raise NotRepeatable(f"it holds a NaN, which numpy and torch convert from {entry['dtype']} to "
-                                    f"{derive['to']} to different bytes")
+                raise NotRepeatable(f"it holds a NaN, which numpy and torch may convert from {entry['dtype']} "
+                                    f"to {derive['to']} to different bytes")
             for cast in casts:
                 chunk = chunk.astype(cast)
         yield chunk

@@ -248,25 +248,27 @@ def ordered_string_sets(model: torch.nn.Module) -> Iterator[None]:
             if isinstance(value, (set, frozenset)) and value and all(isinstance(v, str) for v in value):
                 replaced.append((module, attribute, value))
                 setattr(module, attribute, sorted(value))
-    # The model's own modules (transformers', or a checkpoint's code), not torch's.
-    names = sorted({type(m).__module__ for m in model.modules()} - {None})
+    # The modules defining the model's classes and their bases (an inherited forward runs in its
+    # own module's globals), not torch's.
+    names = sorted({cls.__module__ for m in model.modules() for cls in type(m).__mro__} - {None, "builtins"})
     namespaces = [vars(sys.modules[name]) for name in names if name in sys.modules and name.split(".")[0] != "torch"]
+    injected = []
     with _SORTED_SETS_LOCK:
         for namespace in namespaces:
             if namespace.get("set", _SortedStringSet) is _SortedStringSet:  # a module's own set stays
                 namespace["set"] = _SortedStringSet
                 _SORTED_SETS_USERS[id(namespace)] += 1
+                injected.append(namespace)
     try:
         yield
     finally:
         for module, attribute, value in replaced:
             setattr(module, attribute, value)
         with _SORTED_SETS_LOCK:  # another thread's trace may still be in a module: the last one out restores
-            for namespace in namespaces:
-                if _SORTED_SETS_USERS[id(namespace)] > 0:
-                    _SORTED_SETS_USERS[id(namespace)] -= 1
-                    if _SORTED_SETS_USERS[id(namespace)] == 0:
-                        namespace.pop("set", None)
+            for namespace in injected:
+                _SORTED_SETS_USERS[id(namespace)] -= 1
+                if _SORTED_SETS_USERS[id(namespace)] == 0 and namespace.get("set") is _SortedStringSet:
+                    del namespace["set"]
 
 
 _SORTED_SETS_LOCK = threading.Lock()

@@ -618,7 +618,7 @@ class DerivedWeight:
     bit for bit: its cut ``index`` (a ``[start, stop)`` per leading axis, or None), its values in
     ``dtype`` (a safetensors dtype name: an exact widening, or a rounding to nearest even), then
     ``steps`` in order, each ``("reshape", dims)``, ``("transpose", perm)`` or ``("cast", dtype)``
-    (``onnx_passes.weight_casts``, numpy's cast in the export too)."""
+    (``onnx_passes.weight_folds``, numpy's cast in the export too)."""
 
     stored: StoredTensor
     index: tuple[tuple[int, int], ...] | None
@@ -675,7 +675,7 @@ def made_from(tensor: ir.TensorProtocol) -> tuple[WeightReader | None, tuple] | 
     """The weight reader a lazy initializer's chain starts from (None for a constant) and the
     folded steps applied to it in order; None for any other lazy tensor."""
     from exporter.onnx_passes.fold_weight_transposes import ReshapedWeight, TransposedWeight
-    from exporter.onnx_passes.weight_casts import CastWeight
+    from exporter.onnx_passes.weight_folds import CastWeight
 
     steps = []
     while isinstance(tensor, ir.LazyTensor):

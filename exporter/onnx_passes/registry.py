@@ -15,10 +15,12 @@ ONNX_PASSES = {p.name: p for p in (
     PadAudioFrames(),
     FoldWeightTransposes(),
     FoldConstants(),
+    FoldConstants(towers=True),
     StaticReshapeTargets(),
     Tidy(),
     FuseRmsNorms(),  # before the skip fusion, which fuses the Add into its norms
     FuseSkipRmsNorms(),
     FoldConstants(after_fusions=True),
+    FoldConstants(after_fusions=True, towers=True),
     QuantizeInt4(),
 )}

@@ -49,7 +49,7 @@ def test_conversions_are_torchs_bit_for_bit(tmp_path, stored_dtype, made_dtype):
 
 def test_a_cut_a_transpose_and_casts_are_applied_in_order(tmp_path):
     """The pieces a split makes (a cut along any axis), a folded transpose and the casts
-    ``onnx_passes.weight_casts`` folds: fp32 stored, fp16 in the package, cast to fp32 (the
+    ``onnx_passes.weight_folds`` folds: fp32 stored, fp16 in the package, cast to fp32 (the
     fp16 rounding stays), then a reshape."""
     stored = awkward_values(96 * 40).reshape(96, 40)
     derive = {"index": [[0, 96], [8, 24]], "to": "F16", "steps": [["transpose", [1, 0]], ["cast", "F32"],

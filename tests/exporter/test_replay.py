@@ -232,6 +232,31 @@ def test_converted_cast_and_transposed_weights_replay_byte_identical(ep, tmp_pat
         capsys, bf16[0], tmp_path / "differs", "--ep", ep)
 
 
+@pytest.mark.slow
+def test_a_multimodal_package_replays_byte_identical(tmp_path, capsys):
+    """Gemma 4 as Google publishes it (text, image and audio, bf16): four sessions, whose towers
+    keep the nodes that would fold a weight (the position table's Gathers, the audio layers'
+    ``per_dim_scale``) for run time, so every weight is its checkpoint tensor's."""
+    import torch
+
+    from exporter.presets import PRESETS
+
+    multimodal = "tiny-gemma-4-multimodal"
+    folders = []
+    for seed in (0, 1):
+        model, tokenizer = training_run_checkpoint(multimodal, seed)
+        folder = save_checkpoint(model.to(torch.bfloat16), tokenizer, tmp_path / f"step{seed}")
+        (folder / "processor_config.json").write_text(json.dumps(PRESETS[multimodal].processor_settings))
+        folders.append(folder)
+    cache = str(tmp_path / "cache")
+    cli(capsys, folders[0], tmp_path / "first", "--cache-dir", cache)
+    summary, said = cli(capsys, folders[1], tmp_path / "replayed", "--cache-dir", cache)
+    assert summary["graph_cache"]["sessions"] == dict.fromkeys(("decoder", "embedding", "vision", "speech"),
+                                                               "replayed"), said
+    cli(capsys, folders[1], tmp_path / "uncached", "--no-cache")
+    assert package_digests(tmp_path / "replayed") == package_digests(tmp_path / "uncached")
+
+
 def test_a_damaged_checkpoint_is_refused_as_without_a_cache(checkpoints, cache, tmp_path, capsys):
     """A replay reads the checkpoint's header only where safetensors reads the whole file as valid:
     a truncated one gets the export's own one-line error."""

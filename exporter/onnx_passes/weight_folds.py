@@ -1,0 +1,111 @@
+"""What onnxscript's constant folder would do to a weight, done without reading its values:
+``Identity`` and same-type ``CastLike`` of a weight become the weight itself; ``Shape`` and ``Size``
+of one become constants of its static shape (the folder reads the values first); and ``Cast`` /
+``CastLike`` of a weight between float types (where the folder would fold it: inputs of at most its
+size limit, such as norm scales cast to fp32 in an fp16 export) becomes one lazy initializer of the
+cast values, computed when the package is written with the same numpy cast the folder evaluates.
+So each weight's bytes stay a function of its checkpoint tensor that a replay repeats
+(``exporter.derived_weights``). Other folds of weights are the folder's (``fold_constants``: in the
+decoder it reads them, as for Gemma 2's ``1 + weight`` norm scales, and such a package is not
+recorded as a replay; in a tower those nodes stay for run time)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.optimizer import _constant_folding
+
+# The folder's own limit: larger weights stay cast at run time, as it leaves them.
+_FOLDED_SIZE_LIMIT = _constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # equal only to itself: never compares tensors
+class CastWeight:
+    """What a folded ``Cast(weight)``'s lazy initializer calls when written: ``tensor`` (a weight's
+    lazy tensor) in ``dtype``, rounded to nearest even where it narrows."""
+
+    tensor: ir.TensorProtocol
+    dtype: ir.DataType
+    name: str
+
+    def __call__(self) -> ir.TensorProtocol:
+        with np.errstate(over="ignore"):  # past fp16's range: infinities, as a cast at run time gives
+            return ir.Tensor(self.tensor.numpy().astype(self.dtype.numpy()), name=self.name)
+
+
+def fold_weight_nodes(graph: ir.Graph) -> int:
+    """Every ``Identity``, ``Cast``, ``CastLike``, ``Shape`` and ``Size`` of a lazy weight made a
+    weight, a lazy cast of one, or a constant; returns how many."""
+    folded = 0
+    for node in list(graph):
+        if node.domain != "" or node.op_type not in ("Identity", "Cast", "CastLike", "Shape", "Size"):
+            continue
+        source, out = node.inputs[0], node.outputs[0]
+        if source is None or not source.is_initializer() or source in graph.outputs or out in graph.outputs:
+            continue
+        tensor = source.const_value
+        if not _is_made_from_weight(tensor):
+            continue  # a constant: the folder's
+        if node.op_type in ("Shape", "Size"):
+            replacement = _shape_constant(node, tensor)
+            if replacement is None:
+                continue
+            graph.register_initializer(replacement)
+        else:
+            replacement = _cast(node, tensor, source)
+            if replacement is None:
+                continue
+            if replacement is not source:
+                graph.register_initializer(replacement)
+        ir.convenience.replace_all_uses_with(out, replacement)
+        graph.remove(node, safe=True)
+        if not source.uses() and source is not replacement:
+            graph.initializers.pop(source.name)
+        folded += 1
+    return folded
+
+
+def _cast(node: ir.Node, tensor, source: ir.Value) -> ir.Value | None:
+    """The weight itself, a lazy cast of it, or None where the folder would not fold the cast."""
+    if node.op_type == "Cast":
+        dtype = ir.DataType(node.attributes.get_int("to"))
+    elif node.op_type == "CastLike":
+        dtype = node.inputs[1].dtype if node.inputs[1] is not None else None
+    else:
+        dtype = tensor.dtype
+    if dtype == tensor.dtype:
+        return source
+    if tensor.dtype not in _FLOAT_TYPES or dtype not in _FLOAT_TYPES or tensor.size > _FOLDED_SIZE_LIMIT:
+        return None
+    out = node.outputs[0]
+    name, out.name = out.name, None
+    lazy = ir.LazyTensor(CastWeight(tensor, dtype, name), dtype=dtype, shape=tensor.shape, name=name)
+    return ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(dtype), const_value=lazy)
+
+
+def _shape_constant(node: ir.Node, tensor) -> ir.Value | None:
+    """``Shape`` (with its ``start`` and ``end``) or ``Size`` of a weight, as a constant."""
+    dims = [int(d) for d in tensor.shape.numpy()]
+    if node.op_type == "Size":
+        values = np.array(math.prod(dims), dtype=np.int64)
+    else:
+        start = node.attributes.get_int("start", 0)
+        end = node.attributes.get_int("end", len(dims))
+        values = np.array(dims[slice(start, end)], dtype=np.int64)  # ONNX clamps as Python slices do
+    out = node.outputs[0]
+    name, out.name = out.name, None
+    return ir.Value(name=name, shape=ir.Shape(values.shape), type=ir.TensorType(ir.DataType.INT64),
+                    const_value=ir.tensor(values, name=name))
+
+
+def _is_made_from_weight(tensor) -> bool:
+    from exporter.weights import made_from
+
+    if not isinstance(tensor, ir.LazyTensor):
+        return False
+    chain = made_from(tensor)
+    return chain is None or chain[0] is not None  # an unknown lazy tensor may be a weight's too
