@@ -5,8 +5,8 @@ input's dtype is a constant subgraph).
 
 Identities and casts of weights are folded lazily first (``weight_folds``). In a tower (the vision
 and speech sessions, which run once per image or clip) any other node that would read a weight's
-values stays for run time: a few small nodes per image (the position table's Gathers) or per audio
-layer (``per_dim_scale``'s softplus), and the package's weights stay functions of the checkpoint's
+values stays for run time: a few small nodes per audio layer (``per_dim_scale``'s softplus; in
+the tiny preset also the position table's Gathers, which at full size are too large to fold), and the package's weights stay functions of the checkpoint's
 tensors that a replay repeats (``exporter.replay``). The decoder and the embedding session fold
 them, since they run at every token (Gemma 2's ``1 + weight`` norm scales)."""
 
@@ -17,11 +17,7 @@ from onnx_ir.passes import common
 from onnxscript.optimizer import _constant_folding
 
 from exporter.onnx_passes.base import run_in_place
-from exporter.onnx_passes.weight_folds import fold_weight_nodes
-
-
-# Sessions that run once per input rather than at every token.
-TOWER_SESSIONS = frozenset({"vision", "speech"})
+from exporter.onnx_passes.weight_folds import fold_weight_nodes, is_made_from_weight
 
 
 def fold_constants_pass(keep_weight_nodes: bool = False) -> ir.passes.PassBase:
@@ -35,9 +31,9 @@ def fold_constants_pass(keep_weight_nodes: bool = False) -> ir.passes.PassBase:
 
 def _reads_no_weight(node: ir.Node) -> bool | None:
     """The folder's ``should_fold``: False for a node with a weight among its inputs (the folder
-    reads every input's values before it evaluates a node; ``weight_folds`` has already made
-    constants of the shapes it can); None, the folder's own rules, for any other."""
-    if any(value is not None and value.is_initializer() and isinstance(value.const_value, ir.LazyTensor)
+    reads every input's values before it evaluates a node; it answers Shape and Size before asking);
+    None, the folder's own rules, for any other."""
+    if any(value is not None and value.is_initializer() and is_made_from_weight(value.const_value)
            for value in node.inputs):
         return False
     return None
@@ -54,7 +50,7 @@ class FoldConstants:
         self.name = f"fold_{'tower_' if towers else ''}{'fusion_' if after_fusions else ''}constants"
 
     def applies(self, facts, session) -> str | None:
-        if (session.name in TOWER_SESSIONS) != self.towers:
+        if session.is_encoder != self.towers:  # a tower runs once per image or clip
             return None
         if self.after_fusions and not facts.profile.norm_fusions:
             return None

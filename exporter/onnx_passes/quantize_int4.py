@@ -277,7 +277,10 @@ class _Quantizer:
 
 def _swap(graph: ir.Graph, old: ir.Node, new_nodes: list[ir.Node]) -> None:
     result, original = new_nodes[-1].outputs[0], old.outputs[0]
-    result.dtype, result.shape = original.dtype, original.shape
+    # An inlined function's MatMul (a Linear with a bias) leaves its output untyped: it has its
+    # first input's type (MatMul's A, Gather's table), which the serializer needs.
+    result.dtype = original.dtype or old.inputs[0].dtype
+    result.shape = original.shape
     ir.convenience.replace_nodes_and_values(graph, old, [old], new_nodes, [original], [result])
 
 

@@ -1,6 +1,5 @@
 """What onnxscript's constant folder would do to a weight, done without reading its values:
-``Identity`` and same-type ``CastLike`` of a weight become the weight itself; ``Shape`` and ``Size``
-of one become constants of its static shape (the folder reads the values first); and ``Cast`` /
+``Identity`` and same-type ``CastLike`` of a weight become the weight itself, and ``Cast`` /
 ``CastLike`` of a weight between float types (where the folder would fold it: inputs of at most its
 size limit, such as norm scales cast to fp32 in an fp16 export) becomes one lazy initializer of the
 cast values, computed when the package is written with the same numpy cast the folder evaluates.
@@ -12,7 +11,6 @@ recorded as a replay; in a tower those nodes stay for run time)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import onnx_ir as ir
@@ -38,29 +36,23 @@ class CastWeight:
 
 
 def fold_weight_nodes(graph: ir.Graph) -> int:
-    """Every ``Identity``, ``Cast``, ``CastLike``, ``Shape`` and ``Size`` of a lazy weight made a
-    weight, a lazy cast of one, or a constant; returns how many."""
+    """Every ``Identity``, ``Cast`` and ``CastLike`` of a lazy weight made the weight or a lazy cast
+    of it; returns how many."""
     folded = 0
     for node in list(graph):
-        if node.domain != "" or node.op_type not in ("Identity", "Cast", "CastLike", "Shape", "Size"):
+        if node.domain != "" or node.op_type not in ("Identity", "Cast", "CastLike"):
             continue
         source, out = node.inputs[0], node.outputs[0]
         if source is None or not source.is_initializer() or source in graph.outputs or out in graph.outputs:
             continue
         tensor = source.const_value
-        if not _is_made_from_weight(tensor):
+        if not is_made_from_weight(tensor):
             continue  # a constant: the folder's
-        if node.op_type in ("Shape", "Size"):
-            replacement = _shape_constant(node, tensor)
-            if replacement is None:
-                continue
+        replacement = _cast(node, tensor, source)
+        if replacement is None:
+            continue
+        if replacement is not source:
             graph.register_initializer(replacement)
-        else:
-            replacement = _cast(node, tensor, source)
-            if replacement is None:
-                continue
-            if replacement is not source:
-                graph.register_initializer(replacement)
         ir.convenience.replace_all_uses_with(out, replacement)
         graph.remove(node, safe=True)
         if not source.uses() and source is not replacement:
@@ -87,22 +79,8 @@ def _cast(node: ir.Node, tensor, source: ir.Value) -> ir.Value | None:
     return ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(dtype), const_value=lazy)
 
 
-def _shape_constant(node: ir.Node, tensor) -> ir.Value | None:
-    """``Shape`` (with its ``start`` and ``end``) or ``Size`` of a weight, as a constant."""
-    dims = [int(d) for d in tensor.shape.numpy()]
-    if node.op_type == "Size":
-        values = np.array(math.prod(dims), dtype=np.int64)
-    else:
-        start = node.attributes.get_int("start", 0)
-        end = node.attributes.get_int("end", len(dims))
-        values = np.array(dims[slice(start, end)], dtype=np.int64)  # ONNX clamps as Python slices do
-    out = node.outputs[0]
-    name, out.name = out.name, None
-    return ir.Value(name=name, shape=ir.Shape(values.shape), type=ir.TensorType(ir.DataType.INT64),
-                    const_value=ir.tensor(values, name=name))
-
-
-def _is_made_from_weight(tensor) -> bool:
+def is_made_from_weight(tensor) -> bool:
+    """Whether a lazy tensor is a weight or made from one (an unknown lazy tensor may be)."""
     from exporter.weights import made_from
 
     if not isinstance(tensor, ir.LazyTensor):

@@ -290,6 +290,21 @@ def test_check_passes_and_catches_a_missing_per_layer_mapping(package, tmp_path)
 
 
 @pytest.mark.l1
+def test_int4_encoders_quantizes_the_towers_and_every_session_loads(checkpoint, tmp_path):
+    """``int4_encoders``: the towers' MatMuls become MatMulNBits too (the audio tower's output
+    projection, a Linear with a bias lowered as an inlined function, left its MatMul untyped, and
+    the writer failed on it), and ONNX Runtime loads every session."""
+    import onnxruntime
+
+    package = export(str(checkpoint), ep="cpu", precision="int4", int4_encoders=True, output_dir=tmp_path / "int4")
+    for session in ("decoder", "embedding", "vision", "speech"):
+        path = package.path / session / "model.onnx"
+        if session in ("vision", "speech"):
+            assert "MatMulNBits" in {node.op_type for node in onnx.load(path, load_external_data=False).graph.node}
+        onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.l1
 def test_text_only_gives_the_language_model_package(checkpoint, tmp_path):
     """``--text-only`` of the multimodal folder is byte for byte the package of a text checkpoint
     holding the same language model (what the exporter wrote for such a folder before it made
