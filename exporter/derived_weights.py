@@ -58,8 +58,8 @@ def _made_dtype(derive: dict[str, Any]) -> str:
 
 def derived_chunks(file: BinaryIO, data_start: int, entry: dict[str, Any], derive: dict[str, Any]) -> Iterator[np.ndarray]:
     """The weight ``derive`` makes from the stored tensor ``entry`` of the open safetensors
-    ``file`` (whose data starts at ``data_start``), in order, as C-contiguous arrays of about 64
-    MiB at most (so a table of several GiB is never in memory whole)."""
+    ``file`` (whose data starts at ``data_start``), in order, as flat arrays of its bytes (uint8)
+    of about 64 MiB at most (so a table of several GiB is never in memory whole)."""
     begin, _ = entry["data_offsets"]
     stored_dtype = NUMPY_DTYPES[entry["dtype"]]
     count = math.prod(entry["shape"])
@@ -88,4 +88,4 @@ def derived_chunks(file: BinaryIO, data_start: int, entry: dict[str, Any], deriv
                                     f"to {derive['to']} to different bytes")
             for cast in casts:
                 chunk = chunk.astype(cast)
-        yield chunk
+        yield chunk.reshape(-1).view(np.uint8)

@@ -295,7 +295,7 @@ def _write_derived(piece: dict[str, Any], checkpoint: dict[str, tuple], target, 
     written = 0
     try:
         for chunk in derived_chunks(file, data_start, header[piece["key"]], piece["derive"]):
-            written += _write_all(target, chunk.reshape(-1).view("u1"), at + written)
+            written += _write_all(target, chunk, at + written)
     except NotRepeatable as error:
         raise _NotRepeatable(f"{piece['key']}: {error}") from error
     if written != piece["length"]:
@@ -326,8 +326,7 @@ def _copy_range(source, source_offset: int, target, target_offset: int, length: 
         chunk = os.pread(source.fileno(), min(64 << 20, length - copied), source_offset + copied)
         if not chunk:
             raise OSError(f"{source.name} ends before the {length} bytes its header gives at {source_offset}")
-        os.pwrite(target.fileno(), chunk, target_offset + copied)
-        copied += len(chunk)
+        copied += _write_all(target, chunk, target_offset + copied)
 
 
 def _report(record: dict[str, Any], folder: Path, root: Path, entry: Path) -> ExportReport:
@@ -457,10 +456,9 @@ class _CheckpointRanges:
         with open(self.folder / piece["file"], "rb") as file:
             try:
                 for chunk in derived_chunks(file, data_start, header[piece["key"]], piece["derive"]):
-                    made = chunk.reshape(-1).view("u1")
-                    if expected(at, made.size) != made.tobytes():
+                    if expected(at, chunk.size) != chunk.tobytes():
                         return "numpy does not make its bytes as torch did"
-                    at += made.size
+                    at += chunk.size
             except NotRepeatable as error:
                 return str(error)
         return None if at == piece["length"] else "numpy makes another length than the export wrote"

@@ -606,12 +606,6 @@ def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> list[Weig
     return readers
 
 
-def is_weight(value: ir.Value) -> bool:
-    """Whether an initializer holds a weight ``attach`` gave it (read from the source when written)."""
-    tensor = value.const_value
-    return isinstance(tensor, ir.LazyTensor) and isinstance(tensor.raw, WeightReader)
-
-
 @dataclass(frozen=True)
 class DerivedWeight:
     """An initializer whose bytes are made from one stored checkpoint tensor by steps numpy repeats
