@@ -53,6 +53,7 @@ from exporter import destination, fingerprints
 from exporter.cache_folder import KEY_FILENAME
 from exporter.package import REPORT_FILENAME, REPORT_MARKDOWN_FILENAME, save_report
 from exporter.report import ExportReport
+from exporter.safetensors_header import read_header
 from exporter.stages import StageLog
 
 FORMAT = 1
@@ -121,11 +122,9 @@ def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
     from safetensors import safe_open
 
     safe_open(str(path), framework="numpy")
-    with open(path, "rb") as file:
-        size = int.from_bytes(file.read(8), "little")
-        header = json.loads(file.read(size))
+    data_start, header = read_header(path)
     header.pop("__metadata__", None)
-    return 8 + size, header
+    return data_start, header
 
 
 def _sha256(data: bytes) -> str:

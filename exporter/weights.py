@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from exporter.checkpoint_conversions import ConvertedTensors, plan_conversions
 from exporter.errors import ExporterError
+from exporter.safetensors_header import read_header
 
 _PIECE = re.compile(r"^(?P<source>.+)\.use(?P<use>\d+)\.part(?P<part>\d+)$")
 _TARGET_PREFIX = "model."  # the trace wrapper holds the HF model as ``model``
@@ -475,12 +476,8 @@ class SafetensorsWeights:
                          file_name)
 
     def _header(self, file_name: str) -> tuple[int, dict]:
-        """safetensors' layout: an 8-byte little-endian header size, a JSON header giving each
-        tensor's dtype, shape and byte range in the data that follows."""
         if file_name not in self._headers:
-            with open(self.folder / file_name, "rb") as file:
-                size = int.from_bytes(file.read(8), "little")
-                self._headers[file_name] = (8 + size, json.loads(file.read(size)))
+            self._headers[file_name] = read_header(self.folder / file_name)
         return self._headers[file_name]
 
     def tensor(self, name: str, index: Index, dtype: torch.dtype) -> torch.Tensor:
