@@ -2,7 +2,8 @@
 
 Each check yields a Finding (passed or failed, with a one-line detail). The CLI prints them and exits
 non-zero if any failed; ``--json`` prints them as JSON for CI scripts. Checks: the files exist and
-load, opset domains are ones ONNX Runtime runs, the largest initializer fits the profile's buffer
+load, opset domains are ones ONNX Runtime runs, every op's input types are ones its ONNX schema
+allows, the largest initializer fits the profile's buffer
 limit, genai_config.json agrees with the graph (I/O names, KV layers, head dims, vocabulary) and
 loads in ONNX Runtime GenAI, an ONNX Runtime session with the profile's provider and the package's
 provider options (graph capture included) places every node (on the EP, or the CPU where the
@@ -124,6 +125,18 @@ def _check_domains(context: _Context) -> Iterator[Finding]:
     unknown = sorted(used - KNOWN_DOMAINS)
     opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in context.graph.opset_import)
     yield Finding("domains", not unknown, f"unknown domains {unknown}" if unknown else f"opsets: {opsets}")
+
+
+def _check_types(context: _Context) -> Iterator[Finding]:
+    """Every op's input types are ones its ONNX schema allows (ONNX Runtime refuses the session on
+    any EP otherwise, as it did a bf16 speech tower's Conv)."""
+    refused = {session: postconditions.dtype_refusals(ir.from_proto(graph)) for session, graph in context.graphs.items()}
+    refused = {session: found for session, found in refused.items() if found}
+    detail = "; ".join(f"{session}: {postconditions.describe([r.node for r in found], 3)} "
+                       f"({', '.join(sorted({str(r).rsplit(' on ', 1)[1] for r in found}))})"
+                       for session, found in refused.items())
+    yield Finding("types", not refused, f"ops on types their ONNX schema does not allow: {detail}" if refused
+                  else "every op's input types are ones its ONNX schema allows")
 
 
 def _check_buffer_limit(context: _Context) -> Iterator[Finding]:
@@ -325,24 +338,9 @@ def _multimodal_greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list
 def _check_multimodal_generation(context: _Context) -> Iterator[Finding]:
     if not context.multimodal:
         return
-    from exporter.ep_runtime import EpUnavailable, register
-
-    vocab = context.config["model"]["vocab_size"]
-    on_cpu, cpu_logits = _multimodal_greedy(context, on_cpu=True)
     what = "image and audio" if "speech" in context.session_paths else "image"
-    in_range = bool(on_cpu) and all(0 <= t < vocab for t in on_cpu)
-    yield Finding("multimodal_generation", in_range,
-                  f"processor configs load; greedy tokens on CPU from a generated {what}: {on_cpu}")
-    if not context.profile.genai_provider:
-        return
-    try:
-        register(context.profile, genai=True)
-        on_ep, _ = _multimodal_greedy(context, on_cpu=False)
-    except EpUnavailable as error:
-        yield Finding("multimodal_ep_generation", True, f"not run: {error}", skipped=True)
-        return
-    agree, why = _compare_generations(on_cpu, cpu_logits, on_ep, _precision(context))
-    yield Finding("multimodal_ep_generation", agree, f"greedy tokens on {context.profile.ort_provider}: {on_ep}{why}")
+    yield from _generations(context, "multimodal_generation", "multimodal_ep_generation", _multimodal_greedy,
+                            f" from a generated {what}")
 
 
 def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray]]:
@@ -381,26 +379,44 @@ def _compare_generations(on_cpu, cpu_logits, on_ep, precision: str) -> tuple[boo
 
 
 def _check_smoke_generation(context: _Context) -> Iterator[Finding]:
+    yield from _generations(context, "smoke_generation", "ep_generation", _greedy, "")
+
+
+def _generations(context: _Context, cpu_check: str, ep_check: str, greedy, source: str) -> Iterator[Finding]:
+    """Greedy tokens on the CPU, in the vocabulary; then on the EP where it is installed, the same
+    as the CPU's up to near ties. A bf16 package has no CPU run (ONNX Runtime's CPU EP has no bf16
+    kernels for most ops): its EP tokens are checked to be in the vocabulary only."""
     from exporter.ep_runtime import EpUnavailable, register
 
     vocab = context.config["model"]["vocab_size"]
-    on_cpu, cpu_logits = _greedy(context, on_cpu=True)
-    in_range = bool(on_cpu) and all(0 <= t < vocab for t in on_cpu)
-    yield Finding("smoke_generation", in_range, f"greedy tokens on CPU: {on_cpu}")
+    precision = _precision(context)
+    on_cpu = cpu_logits = None
+    if precision == "bf16":
+        yield Finding(cpu_check, True, "not run on the CPU: ONNX Runtime's CPU EP has no bf16 kernels for most ops",
+                      skipped=True)
+    else:
+        on_cpu, cpu_logits = greedy(context, on_cpu=True)
+        in_range = bool(on_cpu) and all(0 <= t < vocab for t in on_cpu)
+        yield Finding(cpu_check, in_range, f"greedy tokens on CPU{source}: {on_cpu}")
     if not context.profile.genai_provider:
         return
     try:
         register(context.profile, genai=True)
-        on_ep, _ = _greedy(context, on_cpu=False)
+        on_ep, _ = greedy(context, on_cpu=False)
     except EpUnavailable as error:
-        yield Finding("ep_generation", True, f"not run: {error}", skipped=True)
+        yield Finding(ep_check, True, f"not run: {error}", skipped=True)
         return
-    agree, why = _compare_generations(on_cpu, cpu_logits, on_ep, _precision(context))
-    yield Finding("ep_generation", agree, f"greedy tokens on {context.profile.ort_provider}: {on_ep}{why}")
+    if on_cpu is None:
+        in_range = bool(on_ep) and all(0 <= t < vocab for t in on_ep)
+        yield Finding(ep_check, in_range, f"greedy tokens on {context.profile.ort_provider}{source}: {on_ep}")
+        return
+    agree, why = _compare_generations(on_cpu, cpu_logits, on_ep, precision)
+    yield Finding(ep_check, agree, f"greedy tokens on {context.profile.ort_provider}{source}: {on_ep}{why}")
 
 
 _CHECKS: tuple[Callable[[_Context], Iterator[Finding]], ...] = (
     _check_domains,
+    _check_types,
     _check_buffer_limit,
     _check_genai_config,
     _check_graph_capture,

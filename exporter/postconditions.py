@@ -7,6 +7,8 @@ multimodal package the export only reports the nodes that would run on the CPU
 - ``cpu_placed_nodes``: the nodes an EP would run on the CPU in a graph that must be captured.
 - ``presents_written_in_place``: whether every present KV is written by GroupQueryAttention, the
   only attention that can share one KV buffer between past and present.
+- ``dtype_refusals``: the ONNX ops whose schema, at the graph's opset, has no type for what they
+  are given (bf16 ``Conv`` before opset 22): ONNX Runtime refuses to load such a graph on any EP.
 
 Graph capture (WebGPU's command recording, CUDA graphs) replays the device work of one run, so a
 captured session refuses any node placed on the CPU. ONNX Runtime places on the CPU whatever
@@ -18,6 +20,11 @@ and so on, together with the Shape/Concat/Squeeze chains that feed them. Constan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import onnx
+import onnx.defs
+import onnx.shape_inference
 import onnx_ir as ir
 
 # (op type, input indices read on the CPU) for the ONNX ops a decoder graph uses.
@@ -84,14 +91,118 @@ def presents_not_in_place(model: ir.Model) -> list[str]:
                   if v.name.startswith("present.") and ((node := v.producer()) is None or node.op_type != "GroupQueryAttention"))
 
 
+@dataclass(frozen=True)
+class DtypeRefusal:
+    """``node``'s inputs at ``inputs`` and outputs at ``outputs`` (those its schema's type parameter
+    ``type_param`` binds: one type, which some of them are known to be) are ``dtype``, which the
+    schema does not allow; ``allowed``: the types it does."""
+
+    node: ir.Node
+    type_param: str
+    dtype: ir.DataType
+    allowed: frozenset[str]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.node.op_type} {self.node.name} on {_schema_type(self.dtype)}"
+
+
+def dtype_refusals(model: ir.Model) -> list[DtypeRefusal]:
+    """Every standard-domain node given a tensor type its ONNX schema (at the graph's opset) does
+    not allow, one entry per node, type parameter and dtype, in graph order. Nodes of other domains
+    (and ONNX Runtime's ops registered in the ONNX domain, which have no ONNX schema) are not
+    checked."""
+    opset = model.opset_imports.get("")
+    if opset is None:
+        return []
+    dtypes = value_dtypes(model)
+    refusals = []
+    for node in model.graph.all_nodes():
+        if node.domain not in ("", "ai.onnx") or (schema := _schema(node.op_type, opset)) is None:
+            continue
+        allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
+        inputs, outputs = _bound_indices(schema.inputs, node.inputs), _bound_indices(schema.outputs, node.outputs)
+        for type_param, indices in inputs.items():
+            if type_param not in allowed:  # a fixed type (``tensor(int64)``), checked by no one here
+                continue
+            bound = [node.inputs[i] for i in indices if node.inputs[i] is not None]
+            for dtype in sorted({dtypes[v] for v in bound if v in dtypes}, key=int):
+                if _schema_type(dtype) not in allowed[type_param]:
+                    refusals.append(DtypeRefusal(node, type_param, dtype, allowed[type_param],
+                                                 tuple(i for i in indices if node.inputs[i] is not None),
+                                                 outputs.get(type_param, ())))
+    return refusals
+
+
+def value_dtypes(model: ir.Model) -> dict[ir.Value, ir.DataType]:
+    """Every value's dtype: the graph's own where it has one, else inferred node by node in graph
+    order with the ONNX schemas (inlined functions leave their values untyped)."""
+    opset = model.opset_imports.get("")
+    dtypes: dict[ir.Value, ir.DataType] = {}
+    for value in [*model.graph.inputs, *model.graph.initializers.values()]:
+        if value.dtype is not None:
+            dtypes[value] = value.dtype
+    for node in model.graph.all_nodes():
+        for value in node.outputs:
+            if value.dtype is not None:
+                dtypes[value] = value.dtype
+        missing = [v for v in node.outputs if v not in dtypes and v.name]
+        if not missing or node.domain not in ("", "ai.onnx") or (schema := _schema(node.op_type, opset)) is None:
+            continue
+        inputs = [v for v in node.inputs if v is not None]
+        if any(v not in dtypes for v in inputs) or any(a.type == ir.AttributeType.GRAPH for a in node.attributes.values()):
+            continue
+        types = {v.name: onnx.helper.make_tensor_type_proto(int(dtypes[v]), None) for v in inputs}
+        try:
+            inferred = onnx.shape_inference.infer_node_outputs(schema, ir.serde.serialize_node(node), types)
+        except Exception:  # noqa: BLE001 - e.g. a type the schema refuses: its outputs share their inputs' type
+            inferred = {}
+            bound_inputs = _bound_indices(schema.inputs, node.inputs)
+            for type_param, indices in _bound_indices(schema.outputs, node.outputs).items():
+                given = {dtypes[node.inputs[i]] for i in bound_inputs.get(type_param, ()) if node.inputs[i] is not None}
+                if len(given) == 1:
+                    for index in indices:
+                        dtypes.setdefault(node.outputs[index], next(iter(given)))
+        for value in missing:
+            if value.name in inferred and inferred[value.name].tensor_type.elem_type:
+                dtypes[value] = ir.DataType(inferred[value.name].tensor_type.elem_type)
+    return dtypes
+
+
+def _schema(op_type: str, opset: int) -> onnx.defs.OpSchema | None:
+    try:
+        return onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:  # e.g. ONNX Runtime's SimplifiedLayerNormalization
+        return None
+
+
+def _bound_indices(formals, values) -> dict[str, tuple[int, ...]]:
+    """The indices of a node's inputs (or outputs) that each type parameter binds; a variadic last
+    formal takes the rest."""
+    bound: dict[str, list[int]] = {}
+    variadic = bool(formals) and formals[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic
+    for index in range(len(values) if variadic else min(len(values), len(formals))):
+        bound.setdefault(formals[min(index, len(formals) - 1)].type_str, []).append(index)
+    return {type_param: tuple(indices) for type_param, indices in bound.items()}
+
+
+def _schema_type(dtype: ir.DataType) -> str:
+    return f"tensor({onnx.TensorProto.DataType.Name(int(dtype)).lower()})"
+
+
 def require(model: ir.Model, settings, session) -> None:
     """The export's check of a finished session against its plan (``exporter.plan.ExportSettings``):
     a one-line ``ExporterError`` before anything is written where GenAI would refuse the package."""
     from exporter.errors import ExporterBug, ExporterError
 
-    name = settings.profile.name
+    if refused := dtype_refusals(model):
+        raise ExporterBug(f"the {session.name} session gives ops types their ONNX schema does not allow, which "
+                          f"ONNX Runtime refuses to load ({', '.join(map(str, refused[:4]))}"
+                          f"{f' and {len(refused) - 4} more' if len(refused) > 4 else ''}); please report the model")
     if not session.is_decoder:
         return
+    name = settings.profile.name
     if settings.share_kv_buffer and not presents_written_in_place(model):
         raise ExporterBug(f"EP '{name}' shares the KV buffer, but some present KV is not written by "
                           "GroupQueryAttention; please report the model")

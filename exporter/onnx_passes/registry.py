@@ -9,10 +9,12 @@ from exporter.onnx_passes.pad_audio_frames import PadAudioFrames
 from exporter.onnx_passes.quantize_int4 import QuantizeInt4
 from exporter.onnx_passes.static_reshape_targets import StaticReshapeTargets
 from exporter.onnx_passes.tidy import Tidy
+from exporter.onnx_passes.widen_unsupported_dtypes import WidenUnsupportedDtypes
 
 ONNX_PASSES = {p.name: p for p in (
     InlineFunctions(),
     PadAudioFrames(),
+    WidenUnsupportedDtypes(),
     FoldWeightTransposes(),
     FoldConstants(),
     FoldConstants(towers=True),

@@ -28,7 +28,7 @@ def test_good_package_passes(preset_exports, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] is True
     assert [f["check"] for f in report["findings"]] == [
-        "files", "domains", "buffer_limit", "genai_config", "graph_capture", "session", "smoke_generation"
+        "files", "domains", "types", "buffer_limit", "genai_config", "graph_capture", "session", "smoke_generation"
     ]
 
 
@@ -40,7 +40,7 @@ def test_wrong_head_size_fails(preset_exports, tmp_path, capsys):
     assert main(["check", str(package)]) == 1
     out = capsys.readouterr().out
     assert "FAIL  genai_config" in out and "genai_config says 2 x 7" in out
-    assert out.strip().endswith("6 passed, 1 failed")
+    assert out.strip().endswith("7 passed, 1 failed")
 
 
 def test_missing_kv_names_fail(preset_exports, tmp_path, capsys):

@@ -305,6 +305,30 @@ def test_int4_encoders_quantizes_the_towers_and_every_session_loads(checkpoint, 
 
 
 @pytest.mark.l1
+def test_bf16_sessions_give_every_op_a_type_its_schema_allows(checkpoint, tmp_path):
+    """A cuda bf16 package: the speech tower's Conv and Softplus, which ONNX has no bf16 for at
+    opset 21 (ONNX Runtime refused the session on every EP, and the export said nothing), compute
+    in float32 between Casts; every session's ops now have types their schemas allow, as
+    ``check`` finds too."""
+    import onnx_ir as ir
+
+    from exporter.postconditions import dtype_refusals
+
+    package = export(str(checkpoint), ep="cuda", precision="bf16", output_dir=tmp_path / "bf16")
+    assert package.report.sessions["speech"].onnx_passes[2]["changes"]["nodes_widened"] > 0
+    for session in ("decoder", "embedding", "vision", "speech"):
+        model = ir.load(package.path / session / "model.onnx")
+        assert dtype_refusals(model) == [], session
+    speech = ir.load(package.path / "speech" / "model.onnx")
+    convs = [node for node in speech.graph if node.op_type == "Conv"]
+    assert convs and all(node.inputs[0].dtype == ir.DataType.FLOAT for node in convs)
+    # ``check`` agrees, and skips the CPU generations (no bf16 kernels there) instead of failing them.
+    findings = {f.check: f for f in check_package(package.path, get_profile("cuda"))}
+    assert all(f.passed for f in findings.values()) and findings["types"].skipped is False
+    assert findings["smoke_generation"].skipped and findings["multimodal_generation"].skipped
+
+
+@pytest.mark.l1
 def test_text_only_gives_the_language_model_package(checkpoint, tmp_path):
     """``--text-only`` of the multimodal folder is byte for byte the package of a text checkpoint
     holding the same language model (what the exporter wrote for such a folder before it made

@@ -32,12 +32,13 @@ GEMMA4_FX = [*CLEANUP, GQA, LAST_TOKEN, TRUNCATE]
 LLAMA_FX = [*CLEANUP, GQA, LAST_TOKEN]
 ONNX = [*LOWERED, *TIDY_AND_FUSE]
 ONNX_CAPTURED = [*LOWERED, *CAPTURE, *TIDY_AND_FUSE]
+ONNX_BF16 = [LOWERED[0], "widen_unsupported_dtypes", *LOWERED[1:], *TIDY_AND_FUSE]
 
 GOLDEN = {
     ("tiny-gemma-4", "cpu", "fp32"): (GEMMA4_FX, ONNX),
     ("tiny-gemma-4", "cpu", "int4"): (GEMMA4_FX, ONNX + INT4),
     ("tiny-gemma-4", "cuda", "fp16"): (GEMMA4_FX, ONNX),
-    ("tiny-gemma-4", "cuda", "bf16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "cuda", "bf16"): (GEMMA4_FX, ONNX_BF16),
     ("tiny-gemma-4", "cuda", "fp32"): ([*CLEANUP, LAST_TOKEN, TRUNCATE], ONNX),  # no fp32 GroupQueryAttention
     ("tiny-gemma-4", "cuda", "int4"): (GEMMA4_FX, ONNX + INT4),
     ("tiny-gemma-4", "dml", "fp16"): (GEMMA4_FX, ONNX),
@@ -47,13 +48,13 @@ GOLDEN = {
     ("tiny-gemma-4", "webgpu", "fp32"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED),
     ("tiny-gemma-4", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED + INT4),
     ("tiny-gemma-4", "trt-rtx", "fp16"): (GEMMA4_FX, ONNX),
-    ("tiny-gemma-4", "trt-rtx", "bf16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "trt-rtx", "bf16"): (GEMMA4_FX, ONNX_BF16),
     ("tiny-gemma-4", "trt-rtx", "fp32"): ([*CLEANUP, LAST_TOKEN, TRUNCATE], ONNX),
     ("tiny-gemma-4", "trt-rtx", "int4"): (GEMMA4_FX, ONNX + INT4),
     ("tiny-llama", "cpu", "fp32"): (LLAMA_FX, ONNX),
     ("tiny-llama", "cpu", "int4"): (LLAMA_FX, ONNX + INT4),
     ("tiny-llama", "cuda", "fp16"): (LLAMA_FX, ONNX),
-    ("tiny-llama", "cuda", "bf16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "cuda", "bf16"): (LLAMA_FX, ONNX_BF16),
     ("tiny-llama", "cuda", "fp32"): ([*CLEANUP, LAST_TOKEN], ONNX),
     ("tiny-llama", "cuda", "int4"): (LLAMA_FX, ONNX + INT4),
     ("tiny-llama", "dml", "fp16"): (LLAMA_FX, ONNX),
@@ -63,7 +64,7 @@ GOLDEN = {
     ("tiny-llama", "webgpu", "fp32"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED),
     ("tiny-llama", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED + INT4),
     ("tiny-llama", "trt-rtx", "fp16"): (LLAMA_FX, ONNX),
-    ("tiny-llama", "trt-rtx", "bf16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "trt-rtx", "bf16"): (LLAMA_FX, ONNX_BF16),
     ("tiny-llama", "trt-rtx", "fp32"): ([*CLEANUP, LAST_TOKEN], ONNX),
     ("tiny-llama", "trt-rtx", "int4"): (LLAMA_FX, ONNX + INT4),
     # Routed experts become ONNX Runtime's MoE on the CPU only (the one EP whose kernel was run).
