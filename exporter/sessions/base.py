@@ -61,8 +61,8 @@ def session_options(profile, captured: bool) -> dict[str, Any]:
 
 def export_program(wrapper: torch.nn.Module, sample: tuple, dynamic_shapes) -> ExportedProgram:
     from exporter.layout import eval_mode
-    from exporter.trace import ordered_string_sets
+    from exporter.trace import NoopsUntraced, ordered_string_sets
 
     model = wrapper.model
-    with torch.no_grad(), eval_mode(model), ordered_string_sets(model):
+    with torch.no_grad(), eval_mode(model), ordered_string_sets(model), NoopsUntraced():
         return torch.export.export(wrapper, sample, dynamic_shapes=dynamic_shapes, strict=False)
