@@ -1,14 +1,15 @@
 """What must hold of a finished session's graph, read off the graph alone: the export checks it
-before writing, and ``check`` checks a package with the same functions. The demands are the
-decoder's (the one session GenAI captures and gives a KV cache); for the other sessions of a
-multimodal package the export only reports the nodes that would run on the CPU
-(``uncaptured_cpu_note``).
+before writing, and ``check`` checks a package with the same functions. Every session's ops must
+have types their ONNX schemas allow; the other demands are the decoder's (the one session GenAI
+captures and gives a KV cache), and for the other sessions of a multimodal package the export
+only reports the nodes that would run on the CPU (``uncaptured_cpu_note``).
 
 - ``cpu_placed_nodes``: the nodes an EP would run on the CPU in a graph that must be captured.
 - ``presents_written_in_place``: whether every present KV is written by GroupQueryAttention, the
   only attention that can share one KV buffer between past and present.
-- ``dtype_refusals``: the ONNX ops whose schema, at the graph's opset, has no type for what they
-  are given (bf16 ``Conv`` before opset 22): ONNX Runtime refuses to load such a graph on any EP.
+- ``dtype_refusals``: the ONNX ops whose schema, at the graph's opset, refuses the types they are
+  given (bf16 ``Conv`` before opset 22; one type parameter bound to two dtypes): ONNX Runtime
+  refuses to load such a graph on any EP.
 
 Graph capture (WebGPU's command recording, CUDA graphs) replays the device work of one run, so a
 captured session refuses any node placed on the CPU. ONNX Runtime places on the CPU whatever
@@ -93,26 +94,38 @@ def presents_not_in_place(model: ir.Model) -> list[str]:
 
 @dataclass(frozen=True)
 class DtypeRefusal:
-    """``node``'s inputs at ``inputs`` and outputs at ``outputs`` (those its schema's type parameter
-    ``type_param`` binds: one type, which some of them are known to be) are ``dtype``, which the
-    schema does not allow; ``allowed``: the types it does."""
+    """``node``'s schema binds its inputs at ``inputs`` and outputs at ``outputs`` to one type,
+    ``type_param``, which may be one of ``allowed``; the known ones are ``dtypes`` (sorted), which
+    the schema refuses: a dtype it does not allow, or more than one. ``others_fixed``: every other
+    output of the node has a type of its own (a literal or one-type parameter), so changing
+    ``type_param`` changes no other output."""
 
     node: ir.Node
     type_param: str
-    dtype: ir.DataType
+    dtypes: tuple[ir.DataType, ...]
     allowed: frozenset[str]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    others_fixed: bool
+
+    @property
+    def dtype(self) -> ir.DataType | None:
+        """The one dtype bound, where they agree."""
+        return self.dtypes[0] if len(self.dtypes) == 1 else None
 
     def __str__(self) -> str:
-        return f"{self.node.op_type} {self.node.name} on {_schema_type(self.dtype)}"
+        if self.dtype is not None:
+            return f"{self.node.op_type} {self.node.name} on {_schema_type(self.dtype)}"
+        types = " and ".join(map(_schema_type, self.dtypes))
+        return f"{self.node.op_type} {self.node.name} with {self.type_param} bound to {types}"
 
 
 def dtype_refusals(model: ir.Model) -> list[DtypeRefusal]:
-    """Every standard-domain node given a tensor type its ONNX schema (at the graph's opset) does
-    not allow, one entry per node, type parameter and dtype, in graph order. Nodes of other domains
-    (and ONNX Runtime's ops registered in the ONNX domain, which have no ONNX schema) are not
-    checked."""
+    """Every standard-domain node whose tensor types its ONNX schema (at the graph's opset)
+    refuses: a type parameter bound to a dtype it does not allow, or to several. One entry per node
+    and type parameter, in graph order (subgraphs too). Nodes of other domains (and ONNX Runtime's
+    ops registered in the ONNX domain, which have no ONNX schema) and sequence or optional values
+    are not checked."""
     opset = model.opset_imports.get("")
     if opset is None:
         return []
@@ -123,31 +136,39 @@ def dtype_refusals(model: ir.Model) -> list[DtypeRefusal]:
             continue
         allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
         inputs, outputs = _bound_indices(schema.inputs, node.inputs), _bound_indices(schema.outputs, node.outputs)
-        for type_param, indices in inputs.items():
-            if type_param not in allowed:  # a fixed type (``tensor(int64)``), checked by no one here
+        for type_param in dict.fromkeys([*inputs, *outputs]):
+            if type_param not in allowed:  # a literal type (``tensor(int64)``), checked by no one here
                 continue
-            bound = [node.inputs[i] for i in indices if node.inputs[i] is not None]
-            for dtype in sorted({dtypes[v] for v in bound if v in dtypes}, key=int):
-                if _schema_type(dtype) not in allowed[type_param]:
-                    refusals.append(DtypeRefusal(node, type_param, dtype, allowed[type_param],
-                                                 tuple(i for i in indices if node.inputs[i] is not None),
-                                                 outputs.get(type_param, ())))
+            bound = [node.inputs[i] for i in inputs.get(type_param, ())] + \
+                    [node.outputs[i] for i in outputs.get(type_param, ())]
+            found = tuple(sorted({dtypes[v] for v in bound if v is not None and v in dtypes}, key=int))
+            if len(found) > 1 or (found and _schema_type(found[0]) not in allowed[type_param]):
+                others = [i for indices in (i for t, i in outputs.items() if t != type_param) for i in indices]
+                fixed = all(schema.outputs[min(i, len(schema.outputs) - 1)].type_str not in allowed
+                            or len(allowed[schema.outputs[min(i, len(schema.outputs) - 1)].type_str]) == 1
+                            for i in others)
+                refusals.append(DtypeRefusal(
+                    node, type_param, found, allowed[type_param],
+                    tuple(i for i in inputs.get(type_param, ()) if node.inputs[i] is not None),
+                    tuple(i for i in outputs.get(type_param, ()) if node.outputs[i].name), fixed))
     return refusals
 
 
 def value_dtypes(model: ir.Model) -> dict[ir.Value, ir.DataType]:
-    """Every value's dtype: the graph's own where it has one, else inferred node by node in graph
-    order with the ONNX schemas (inlined functions leave their values untyped)."""
+    """Every tensor value's dtype: the graph's own where it has one, else inferred node by node in
+    graph order with the ONNX schemas (inlined functions leave their values untyped). Sequences
+    and optionals are left out."""
     opset = model.opset_imports.get("")
     dtypes: dict[ir.Value, ir.DataType] = {}
-    for value in [*model.graph.inputs, *model.graph.initializers.values()]:
-        if value.dtype is not None:
-            dtypes[value] = value.dtype
+    for graph in model.graphs():
+        for value in [*graph.inputs, *graph.initializers.values()]:
+            if isinstance(value.type, ir.TensorType):
+                dtypes[value] = value.dtype
     for node in model.graph.all_nodes():
         for value in node.outputs:
-            if value.dtype is not None:
+            if isinstance(value.type, ir.TensorType):
                 dtypes[value] = value.dtype
-        missing = [v for v in node.outputs if v not in dtypes and v.name]
+        missing = [v for v in node.outputs if v.type is None and v.name]
         if not missing or node.domain not in ("", "ai.onnx") or (schema := _schema(node.op_type, opset)) is None:
             continue
         inputs = [v for v in node.inputs if v is not None]
@@ -163,10 +184,12 @@ def value_dtypes(model: ir.Model) -> dict[ir.Value, ir.DataType]:
                 given = {dtypes[node.inputs[i]] for i in bound_inputs.get(type_param, ()) if node.inputs[i] is not None}
                 if len(given) == 1:
                     for index in indices:
-                        dtypes.setdefault(node.outputs[index], next(iter(given)))
+                        if node.outputs[index] in missing:
+                            dtypes[node.outputs[index]] = next(iter(given))
         for value in missing:
-            if value.name in inferred and inferred[value.name].tensor_type.elem_type:
-                dtypes[value] = ir.DataType(inferred[value.name].tensor_type.elem_type)
+            if value.name in inferred and inferred[value.name].HasField("tensor_type"):
+                if elem_type := inferred[value.name].tensor_type.elem_type:
+                    dtypes[value] = ir.DataType(elem_type)
     return dtypes
 
 

@@ -14,11 +14,11 @@ from exporter.onnx_passes.widen_unsupported_dtypes import WidenUnsupportedDtypes
 ONNX_PASSES = {p.name: p for p in (
     InlineFunctions(),
     PadAudioFrames(),
-    WidenUnsupportedDtypes(),
     FoldWeightTransposes(),
     FoldConstants(),
     FoldConstants(towers=True),
     StaticReshapeTargets(),
+    WidenUnsupportedDtypes(),  # after the folds, which rewrite ops (SplitToSequence to Split)
     Tidy(),
     FuseRmsNorms(),  # before the skip fusion, which fuses the Add into its norms
     FuseSkipRmsNorms(),

@@ -81,3 +81,21 @@ def test_ep_generation_may_part_only_at_a_near_tie():
     agree, why = _compare_generations([1, 0], logits, [1, 3], "fp16")  # step 1: 3.0 vs 2.0
     assert not agree and "from step 1" in why
     assert not _compare_generations([1, 0], logits, [2, 3], "fp32")[0]
+
+
+def test_an_op_on_a_type_its_schema_refuses_fails(preset_exports, tmp_path, capsys):
+    """An fp32 Mul's output declared bf16: one type parameter bound to two dtypes, a graph ONNX
+    Runtime refuses on every EP."""
+    import onnx
+
+    package = tmp_path / "package"
+    shutil.copytree(preset_exports.get("tiny-llama").package.path, package)
+    graph = onnx.load(str(package / "model.onnx"), load_external_data=False)
+    mul = next(n for n in graph.graph.node if n.op_type == "Mul" and n.domain == "")
+    graph.graph.value_info.append(onnx.helper.make_tensor_value_info(mul.output[0], onnx.TensorProto.BFLOAT16, None))
+    onnx.save(graph, str(package / "model.onnx"))
+    (package / "export_report.json").unlink()  # as another exporter's package: no sha256 to refuse the edit
+    assert main(["check", str(package)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL  types             ops on types their ONNX schema does not allow: decoder: Mul {mul.name} with T " \
+           "bound to tensor(float) and tensor(bfloat16)" in out, out

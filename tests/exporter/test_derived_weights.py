@@ -5,13 +5,13 @@ to fp32, which shifts the bits in both."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from exporter.derived_weights import NotRepeatable, derived_chunks, derived_length
+from exporter.safetensors_header import read_header
 
 pytestmark = pytest.mark.l1
 
@@ -29,11 +29,10 @@ def awkward_values(count: int) -> torch.Tensor:
 
 def made(tmp_path, stored: torch.Tensor, derive: dict) -> bytes:
     save_file({"w": stored.contiguous()}, tmp_path / "w.safetensors")
+    data_start, header = read_header(tmp_path / "w.safetensors")
+    entry = header["w"]
     with open(tmp_path / "w.safetensors", "rb") as file:
-        size = int.from_bytes(file.read(8), "little")
-        entry = json.loads(file.read(size))["w"]
-        data = b"".join(chunk.tobytes()
-                        for chunk in derived_chunks(file, 8 + size, entry, derive))
+        data = b"".join(chunk.tobytes() for chunk in derived_chunks(file, data_start, entry, derive))
     assert len(data) == derived_length(entry, derive)
     return data
 

@@ -32,7 +32,7 @@ GEMMA4_FX = [*CLEANUP, GQA, LAST_TOKEN, TRUNCATE]
 LLAMA_FX = [*CLEANUP, GQA, LAST_TOKEN]
 ONNX = [*LOWERED, *TIDY_AND_FUSE]
 ONNX_CAPTURED = [*LOWERED, *CAPTURE, *TIDY_AND_FUSE]
-ONNX_BF16 = [LOWERED[0], "widen_unsupported_dtypes", *LOWERED[1:], *TIDY_AND_FUSE]
+ONNX_BF16 = [*LOWERED, "widen_unsupported_dtypes", *TIDY_AND_FUSE]
 
 GOLDEN = {
     ("tiny-gemma-4", "cpu", "fp32"): (GEMMA4_FX, ONNX),

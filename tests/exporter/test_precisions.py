@@ -124,6 +124,22 @@ def test_bf16_package_for_cuda_builds_in_bf16(tmp_path):
     assert next(model.parameters()).dtype == torch.float32, "the caller's model keeps its dtype"
 
 
+@pytest.mark.l1
+@pytest.mark.parametrize("preset", ["tiny-llama4", "tiny-qwen3-moe"])
+def test_bf16_decoders_give_every_op_a_type_its_schema_allows(tmp_path, preset):
+    """Llama 4's router TopK has no bf16 at opset 21 (the package was refused by ONNX Runtime on
+    every EP) and now runs in float32; a MoE decoder's expert Split, which an earlier widening
+    broke, keeps one dtype. ONNX Runtime resolves each graph: its CPU EP then lacks bf16 kernels
+    (NOT_IMPLEMENTED), never a type error."""
+    from exporter.postconditions import dtype_refusals
+
+    model, tokenizer = build_preset(preset)
+    package = export(model, tokenizer, ep="cuda", precision="bf16", output_dir=tmp_path / "bf16")
+    assert dtype_refusals(ir.load(str(package.model_path))) == []
+    with pytest.raises(Exception, match="NOT_IMPLEMENTED"):
+        ort.InferenceSession(str(package.model_path), providers=["CPUExecutionProvider"])
+
+
 def _session_logits(package, inputs) -> np.ndarray:
     session = ort.InferenceSession(str(package.model_path), providers=["CPUExecutionProvider"])
     dtype = np.float16 if session.get_inputs()[3].type == "tensor(float16)" else np.float32

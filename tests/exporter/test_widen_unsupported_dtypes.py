@@ -106,3 +106,70 @@ def test_an_fp32_graph_is_left_as_it_was():
     model.graph.node(0).outputs[0].dtype = ir.DataType.FLOAT
     assert dtype_refusals(model) == []
     assert WidenUnsupportedDtypes()(model, _Facts()) == {}
+
+
+def _model(nodes, inputs, outputs, initializers=(), value_info=()) -> ir.Model:
+    graph = h.make_graph(nodes, "g", inputs, outputs, list(initializers), value_info=list(value_info))
+    return ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 21)]))
+
+
+def _bf16(name: str, shape) -> object:
+    return h.make_tensor_value_info(name, TensorProto.BFLOAT16, shape)
+
+
+@pytest.mark.l1
+def test_nodes_whose_other_outputs_follow_the_input_stay_for_the_postconditions():
+    """``RandomNormalLike`` without a dtype gives its input's type (no bf16 input at opset 21):
+    widening its input would change its output, so it is left, and the export refuses it (as ONNX
+    Runtime would)."""
+    model = _model([h.make_node("RandomNormalLike", ["x"], ["noise"], name="noise"),
+                    h.make_node("Add", ["noise", "x"], ["y"])],
+                   [_bf16("x", [2])], [_bf16("y", [2])])
+    refused = dtype_refusals(model)
+    assert [str(r) for r in refused] == ["RandomNormalLike noise on tensor(bfloat16)"]
+    assert WidenUnsupportedDtypes()(model, _Facts()) == {}
+    assert dtype_refusals(model) == refused
+
+
+@pytest.mark.l1
+def test_one_type_parameter_bound_to_two_dtypes_is_refused():
+    """What a wrong widening would leave (a Split reading float32 and giving bf16): refused."""
+    model = _model([h.make_node("Split", ["x"], ["a", "b"], axis=0, num_outputs=2, name="split")],
+                   [h.make_tensor_value_info("x", TensorProto.FLOAT, [4])], [_bf16("a", [2]), _bf16("b", [2])])
+    (refused,) = dtype_refusals(model)
+    assert str(refused) == "Split split with T bound to tensor(float) and tensor(bfloat16)"
+    assert WidenUnsupportedDtypes()(model, _Facts()) == {}
+
+
+@pytest.mark.l1
+def test_sequences_are_not_read_as_their_elements():
+    """An fp16 sequence is valid where its ops take ``seq(tensor(float16))``; its element dtype is
+    not the sequence's type."""
+    model = _model([h.make_node("SplitToSequence", ["x"], ["parts"], axis=0),
+                    h.make_node("SequenceAt", ["parts", "zero"], ["y"])],
+                   [h.make_tensor_value_info("x", TensorProto.FLOAT16, [4])],
+                   [h.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
+                   [numpy_helper.from_array(np.array(0, dtype=np.int64), "zero")])
+    assert dtype_refusals(model) == []
+    _session(model)
+
+
+@pytest.mark.l1
+def test_subgraph_nodes_are_checked_and_widened_with_names_of_their_own():
+    """A bf16 ``Softplus`` in each branch of an ``If`` reading the outer ``x``: each branch gets its
+    own cast of it, under its own name, and the model loads."""
+    def branch(name: str):
+        return h.make_graph([h.make_node("Softplus", ["x"], [f"{name}_out"], name=f"{name}_softplus")], name, [],
+                            [_bf16(f"{name}_out", [2])])
+
+    model = _model([h.make_node("If", ["flag"], ["picked"], then_branch=branch("then"), else_branch=branch("else")),
+                    h.make_node("Cast", ["picked"], ["y"], to=TensorProto.FLOAT)],
+                   [_bf16("x", [2]), h.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                   [h.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    assert sorted(str(r) for r in dtype_refusals(model)) == ["Softplus else_softplus on tensor(bfloat16)",
+                                                             "Softplus then_softplus on tensor(bfloat16)"]
+    assert WidenUnsupportedDtypes()(model, _Facts()) == {"nodes_widened": 2}
+    assert dtype_refusals(model) == []
+    casts = [n.outputs[0].name for n in model.graph.all_nodes() if n.op_type == "Cast" and n.name.endswith("to_float32")]
+    assert sorted(casts) == ["x.as_float32", "x.as_float32.2"]
+    _session(model)  # loads: ONNX Runtime's CPU EP has bf16 Cast and float32 Softplus
