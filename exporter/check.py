@@ -2,7 +2,7 @@
 
 Each check yields a Finding (passed or failed, with a one-line detail). The CLI prints them and exits
 non-zero if any failed; ``--json`` prints them as JSON for CI scripts. Checks: the files exist and
-load, opset domains are ones ONNX Runtime runs, every op's input types are ones its ONNX schema
+load, opset domains are ones ONNX Runtime runs, every op's types are ones its ONNX schema
 allows, the largest initializer fits the profile's buffer
 limit, genai_config.json agrees with the graph (I/O names, KV layers, head dims, vocabulary) and
 loads in ONNX Runtime GenAI, an ONNX Runtime session with the profile's provider and the package's
@@ -128,14 +128,14 @@ def _check_domains(context: _Context) -> Iterator[Finding]:
 
 
 def _check_types(context: _Context) -> Iterator[Finding]:
-    """Every op's input types are ones its ONNX schema allows (ONNX Runtime refuses the session on
-    any EP otherwise, as it did a bf16 speech tower's Conv)."""
+    """Every op's types are ones its ONNX schema allows, one dtype per type parameter (ONNX Runtime
+    refuses the session on any EP otherwise, as it did a bf16 speech tower's Conv)."""
     refused = {session: postconditions.dtype_refusals(ir.from_proto(graph)) for session, graph in context.graphs.items()}
     refused = {session: found for session, found in refused.items() if found}
     detail = "; ".join(f"{session}: {', '.join(map(str, found[:3]))}"
                        f"{f' and {len(found) - 3} more' if len(found) > 3 else ''}" for session, found in refused.items())
     yield Finding("types", not refused, f"ops on types their ONNX schema does not allow: {detail}" if refused
-                  else "every op's input types are ones its ONNX schema allows")
+                  else "every op's types are ones its ONNX schema allows")
 
 
 def _check_buffer_limit(context: _Context) -> Iterator[Finding]:
@@ -355,9 +355,9 @@ def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray
 
 
 def _computes_in_bf16(context: _Context) -> bool:
-    """Read off the decoder's logits, so a package without its report is judged alike."""
-    logits = next((o for o in context.graph.graph.output if o.name == "logits"), None)
-    return logits is not None and logits.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+    """Whether any decoder output (logits, present KV) is bf16: read off the graph, so a package
+    without its report, or with fp32 logits, is judged alike."""
+    return any(o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for o in context.graph.graph.output)
 
 
 def _precision(context: _Context) -> str:

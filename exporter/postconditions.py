@@ -122,7 +122,8 @@ class DtypeRefusal:
 
 def dtype_refusals(model: ir.Model) -> list[DtypeRefusal]:
     """Every standard-domain node whose tensor types its ONNX schema (at the graph's opset)
-    refuses: a type parameter bound to a dtype it does not allow, or to several. One entry per node
+    refuses: a type parameter bound to a dtype it does not allow, or to several (where its formals
+    are homogeneous). One entry per node
     and type parameter, in graph order (subgraphs too). Nodes of other domains (and ONNX Runtime's
     ops registered in the ONNX domain, which have no ONNX schema) and sequence or optional values
     are not checked."""
@@ -142,7 +143,10 @@ def dtype_refusals(model: ir.Model) -> list[DtypeRefusal]:
             bound = [node.inputs[i] for i in inputs.get(type_param, ())] + \
                     [node.outputs[i] for i in outputs.get(type_param, ())]
             found = tuple(sorted({dtypes[v] for v in bound if v is not None and v in dtypes}, key=int))
-            if len(found) > 1 or (found and _schema_type(found[0]) not in allowed[type_param]):
+            # A heterogeneous formal (If's, Loop's outputs) may hold several types.
+            homogeneous = all(f.is_homogeneous for f in (*schema.inputs, *schema.outputs) if f.type_str == type_param)
+            refused = [d for d in found if _schema_type(d) not in allowed[type_param]]
+            if refused or (len(found) > 1 and homogeneous):
                 others = [i for indices in (i for t, i in outputs.items() if t != type_param) for i in indices]
                 fixed = all(schema.outputs[min(i, len(schema.outputs) - 1)].type_str not in allowed
                             or len(allowed[schema.outputs[min(i, len(schema.outputs) - 1)].type_str]) == 1

@@ -1,7 +1,7 @@
 """Ops whose ONNX schema at the graph's opset has no type for the export's bfloat16 compute in
 float32 between Casts.
 
-ONNX added bfloat16 to ``Conv``, ``Softplus``, ``TopK`` and others only at opset 22; at the
+ONNX added bfloat16 to ``Conv``, ``Softplus`` and others at opset 22, ``TopK`` at 24; at the
 exporter's opset a bf16 speech tower (Gemma 4's subsampling and depthwise convolutions, its
 ``per_dim_scale`` softplus) or Llama 4's router is a graph ONNX Runtime refuses to load on every
 EP. Each such node reads its inputs cast to float32 and its outputs are cast back, so the rest of
@@ -29,7 +29,8 @@ class WidenUnsupportedDtypes:
     def applies(self, facts, session) -> str | None:
         # fp16 exports meet no such gap today; the post-conditions refuse any graph that does.
         if facts.compute_dtype == torch.bfloat16:
-            return "ONNX schemas before opset 22 lack bfloat16 for some ops (Conv, Softplus, TopK): those compute in float32"
+            return ("ONNX schemas at opset 21 lack bfloat16 for some ops (Conv, Softplus, TopK): "
+                    "those compute in float32")
         return None
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
@@ -44,12 +45,14 @@ class WidenUnsupportedDtypes:
 
 def _widens(refusal: DtypeRefusal) -> bool:
     """Only where casting the type parameter's tensors changes nothing else: bf16 alone, float32
-    allowed, the node's other outputs of fixed types (not ``RandomNormalLike``'s), no subgraph,
-    tensors only (a sequence's type is not its elements'). Anything else stays for the
-    post-conditions to refuse."""
+    allowed, outputs that follow the inputs (not typed by a ``dtype`` or ``to`` attribute), the
+    node's other outputs of fixed types (not ``RandomNormalLike``'s), no subgraph, tensors only (a
+    sequence's type is not its elements'). Anything else stays for the post-conditions to refuse."""
     node = refusal.node
     values = [node.inputs[i] for i in refusal.inputs] + [node.outputs[i] for i in refusal.outputs]
     return (refusal.dtype in _WIDENED and _FLOAT32 in refusal.allowed and refusal.others_fixed
+            and refusal.inputs  # an output typed by an attribute (RandomNormal's dtype) would not follow
+            and not {"dtype", "to"} & set(node.attributes)
             and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
             and all(v.type is None or isinstance(v.type, ir.TensorType) for v in values))
 

@@ -45,3 +45,14 @@ def test_noops_leave_no_node_and_the_same_values():
     assert _targets(plain).count("aten.unsqueeze.default") == _targets(untraced).count("aten.unsqueeze.default") == 3
     for want, got in zip(plain.module()(x, y), untraced.module()(x, y), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.l1
+def test_type_as_a_tensor_on_another_device_still_moves():
+    """``x.type_as(y)`` is ``x.to(y``'s dtype and device``)``: a ``y`` elsewhere moves ``x``, under
+    the mode as in eager mode."""
+    x, on_meta = torch.randn(2), torch.empty(2, device="meta")
+    with NoopsUntraced():
+        assert x.type_as(on_meta).device == torch.device("meta")
+        assert x.type_as(torch.empty(2)) is x and x.to(torch.float32) is x and x.float() is x
+        assert x[None, :].shape == (1, 2) and x[:, None].shape == (2, 1)

@@ -145,11 +145,12 @@ def test_one_type_parameter_bound_to_two_dtypes_is_refused():
 def test_sequences_are_not_read_as_their_elements():
     """An fp16 sequence is valid where its ops take ``seq(tensor(float16))``; its element dtype is
     not the sequence's type."""
+    parts = h.make_value_info("parts", h.make_sequence_type_proto(h.make_tensor_type_proto(TensorProto.FLOAT16, None)))
     model = _model([h.make_node("SplitToSequence", ["x"], ["parts"], axis=0),
                     h.make_node("SequenceAt", ["parts", "zero"], ["y"])],
                    [h.make_tensor_value_info("x", TensorProto.FLOAT16, [4])],
                    [h.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
-                   [numpy_helper.from_array(np.array(0, dtype=np.int64), "zero")])
+                   [numpy_helper.from_array(np.array(0, dtype=np.int64), "zero")], [parts])
     assert dtype_refusals(model) == []
     _session(model)
 
@@ -173,3 +174,29 @@ def test_subgraph_nodes_are_checked_and_widened_with_names_of_their_own():
     casts = [n.outputs[0].name for n in model.graph.all_nodes() if n.op_type == "Cast" and n.name.endswith("to_float32")]
     assert sorted(casts) == ["x.as_float32", "x.as_float32.2"]
     _session(model)  # loads: ONNX Runtime's CPU EP has bf16 Cast and float32 Softplus
+
+
+@pytest.mark.l1
+def test_outputs_typed_by_an_attribute_are_left_for_the_postconditions():
+    """``RandomNormal(dtype=bf16)``: its output's type is its attribute, which a widening would not
+    change; left, and refused."""
+    model = _model([h.make_node("RandomNormal", [], ["noise"], dtype=TensorProto.BFLOAT16, shape=[2], name="noise")],
+                   [], [_bf16("noise", [2])])
+    assert [str(r) for r in dtype_refusals(model)] == ["RandomNormal noise on tensor(bfloat16)"]
+    assert WidenUnsupportedDtypes()(model, _Facts()) == {}
+
+
+@pytest.mark.l1
+def test_heterogeneous_outputs_may_differ_in_type():
+    """An ``If`` giving a float and an int64: its outputs' formal is heterogeneous, so that is valid."""
+    def branch(name: str):
+        return h.make_graph([h.make_node("Identity", ["x"], [f"{name}_x"]), h.make_node("Identity", ["n"], [f"{name}_n"])],
+                            name, [], [h.make_tensor_value_info(f"{name}_x", TensorProto.FLOAT, [2]),
+                                       h.make_tensor_value_info(f"{name}_n", TensorProto.INT64, [])])
+
+    model = _model([h.make_node("If", ["flag"], ["y", "m"], then_branch=branch("then"), else_branch=branch("else"))],
+                   [h.make_tensor_value_info("x", TensorProto.FLOAT, [2]), h.make_tensor_value_info("n", TensorProto.INT64, []),
+                    h.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                   [h.make_tensor_value_info("y", TensorProto.FLOAT, [2]), h.make_tensor_value_info("m", TensorProto.INT64, [])])
+    assert dtype_refusals(model) == []
+    _session(model)
