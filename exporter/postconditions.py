@@ -123,10 +123,10 @@ class DtypeRefusal:
 def dtype_refusals(model: ir.Model) -> list[DtypeRefusal]:
     """Every standard-domain node whose tensor types its ONNX schema (at the graph's opset)
     refuses: a type parameter bound to a dtype it does not allow, or to several (where its formals
-    are homogeneous). One entry per node
-    and type parameter, in graph order (subgraphs too). Nodes of other domains (and ONNX Runtime's
-    ops registered in the ONNX domain, which have no ONNX schema) and sequence or optional values
-    are not checked."""
+    are homogeneous). One entry per node and type parameter, in graph order (subgraphs too). Nodes
+    of other domains (and ONNX Runtime's ops registered in the ONNX domain, which have no ONNX
+    schema) and sequence or optional values are not checked; nor is a declared output type against
+    what the schema would infer from an attribute (``Cast``'s ``to``)."""
     opset = model.opset_imports.get("")
     if opset is None:
         return []
@@ -147,10 +147,7 @@ def dtype_refusals(model: ir.Model) -> list[DtypeRefusal]:
             homogeneous = all(f.is_homogeneous for f in (*schema.inputs, *schema.outputs) if f.type_str == type_param)
             refused = [d for d in found if _schema_type(d) not in allowed[type_param]]
             if refused or (len(found) > 1 and homogeneous):
-                others = [i for indices in (i for t, i in outputs.items() if t != type_param) for i in indices]
-                fixed = all(schema.outputs[min(i, len(schema.outputs) - 1)].type_str not in allowed
-                            or len(allowed[schema.outputs[min(i, len(schema.outputs) - 1)].type_str]) == 1
-                            for i in others)
+                fixed = all(other not in allowed or len(allowed[other]) == 1 for other in outputs if other != type_param)
                 refusals.append(DtypeRefusal(
                     node, type_param, found, allowed[type_param],
                     tuple(i for i in inputs.get(type_param, ()) if node.inputs[i] is not None),
