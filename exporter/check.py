@@ -2,10 +2,9 @@
 
 Each check yields a Finding (passed or failed, with a one-line detail). The CLI prints them and exits
 non-zero if any failed; ``--json`` prints them as JSON for CI scripts. Checks: the files exist and
-load, opset domains are ones ONNX Runtime runs, every op's types are ones its ONNX schema
-allows, the largest initializer fits the profile's buffer
-limit, genai_config.json agrees with the graph (I/O names, KV layers, head dims, vocabulary) and
-loads in ONNX Runtime GenAI, an ONNX Runtime session with the profile's provider and the package's
+load, opset domains are ones ONNX Runtime runs, every op's types are ones its ONNX schema allows,
+the largest initializer fits the profile's buffer limit, genai_config.json agrees with the graph
+(I/O names, KV layers, head dims, vocabulary) and loads in ONNX Runtime GenAI, an ONNX Runtime session with the profile's provider and the package's
 provider options (graph capture included) places every node (on the EP, or the CPU where the
 profile allows), and a short greedy generation runs on the CPU and, where the EP is installed,
 gives the same tokens on the EP. Checks that need an EP this machine lacks are reported as

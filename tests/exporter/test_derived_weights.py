@@ -5,7 +5,6 @@ to fp32, which shifts the bits in both."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from safetensors.torch import save_file
