@@ -19,6 +19,7 @@ from fx_passes.base import PassContext
 from fx_passes.graph_facts import (
     PassDidNotApply,
     axes_equal_to,
+    graph_input,
     graph_outputs,
     sequence_symbol,
     set_fake_value,
@@ -32,11 +33,11 @@ _PROJECTIONS = (_aten.linear.default, _aten.matmul.default, _aten.mm.default)
 def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.fx.Node, axis: int,
                       context: PassContext, before: torch.fx.Node | None = None) -> torch.fx.Node:
     """A ``last_token`` of ``tensor``, right after it or right ``before`` a node (its first reader,
-    so in-place writes into ``tensor`` in between are gathered too); a graph-captured decoder runs
-    one unpadded sequence, whose last token is the last position (no index arithmetic on the CPU)."""
-    last_position = context.graph_capture
+    so in-place writes into ``tensor`` in between are gathered too); a graph-captured decoder's
+    reads the position ids instead of the mask (``last_token``'s form with no shape arithmetic)."""
+    position_ids = graph_input(graph, "position_ids") if context.graph_capture else None
     with graph.inserting_after(tensor) if before is None else graph.inserting_before(before):
-        gathered = graph.call_function(torch.ops.genai_exporter.last_token.default, (tensor, mask, axis, last_position))
+        gathered = graph.call_function(torch.ops.genai_exporter.last_token.default, (tensor, mask, axis, position_ids))
     set_fake_value(gathered)
     return gathered
 

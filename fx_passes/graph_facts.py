@@ -20,7 +20,11 @@ class PassDidNotApply(RuntimeError):
 
 
 def user_input(program: ExportedProgram, name: str) -> Node:
-    for node in program.graph.nodes:
+    return graph_input(program.graph, name)
+
+
+def graph_input(graph: torch.fx.Graph, name: str) -> Node:
+    for node in graph.nodes:
         if node.op == "placeholder" and node.name == name:
             return node
     raise PassDidNotApply(f"the program has no user input named '{name}'")

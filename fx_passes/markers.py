@@ -14,11 +14,9 @@ from onnxscript import FLOAT, INT32, INT64
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
-_INT64_MAX = 2**63 - 1
-
-
 @torch.library.custom_op("genai_exporter::last_token", mutates_args=())
-def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int, last_position: bool = False) -> torch.Tensor:
+def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's last real token along ``dim`` (the sequence axis; dim 0 is the batch).
 
     The last real token is the last position of the current chunk whose attention-mask entry is 1:
@@ -26,16 +24,19 @@ def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int, last_pos
     right-padded rows of ONNX Runtime GenAI's batched prefill. A chunk with no real token gives
     position 0.
 
-    ``last_position``: the chunk is known to have no padding (a graph-captured decoder runs one
-    unpadded sequence), so the last position is taken as it is; the ONNX form is then one Slice
-    (a Gather for integers), with no shape arithmetic on the CPU, and the mask (under graph capture a zero-padded buffer
-    of max_length columns) is not read.
+    ``position_ids``: a graph-captured decoder's form, whose attention mask is a zero-padded
+    buffer of max_length columns and whose ONNX form may do no shape arithmetic (it would run on
+    the CPU). The last real token is then the first position holding the row's largest position
+    id: ONNX Runtime GenAI numbers a row's tokens by their place in the chunk and gives its
+    right-padding tokens position 0.
     """
-    seq = x.shape[dim]
-    if last_position:
-        return x.narrow(dim, seq - 1, 1).clone()
-    chunk = attention_mask[:, attention_mask.shape[1] - seq :].to(torch.int64)
-    index = (chunk * torch.arange(seq, device=x.device)).amax(dim=1)  # [batch]
+    if position_ids is not None:
+        at_top = position_ids == position_ids.amax(dim=1, keepdim=True)
+        index = at_top.to(torch.int64).argmax(dim=1)  # the first of equal maxima
+    else:
+        seq = x.shape[dim]
+        chunk = attention_mask[:, attention_mask.shape[1] - seq :].to(torch.int64)
+        index = (chunk * torch.arange(seq, device=x.device)).amax(dim=1)  # [batch]
     index_shape = [1] * x.dim()
     index_shape[0] = x.shape[0]
     out_shape = list(x.shape)
@@ -44,32 +45,60 @@ def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int, last_pos
 
 
 @last_token.register_fake
-def _(x: torch.Tensor, attention_mask: torch.Tensor, dim: int, last_position: bool = False) -> torch.Tensor:
+def _(x: torch.Tensor, attention_mask: torch.Tensor, dim: int,
+      position_ids: torch.Tensor | None = None) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = 1
     return x.new_empty(shape)
 
 
-def _last_token_onnx(x, attention_mask, dim: int, last_position: bool = False):
-    if last_position:
-        if getattr(x, "dtype", None) in (ir.DataType.INT64, ir.DataType.INT32):
-            # The WebGPU EP slices no integers (position ids), but gathers them.
-            return op.Gather(x, op.Constant(value_ints=[-1]), axis=dim)
-        return op.Slice(x, op.Constant(value_ints=[-1]), op.Constant(value_ints=[_INT64_MAX]),
-                        op.Constant(value_ints=[dim]))
+def _last_token_onnx(x, attention_mask, dim: int, position_ids=None):
+    rank = len(x.shape) if x.shape is not None else None
+    if rank is None:
+        raise ValueError("last_token needs a tensor of known rank")
+    if position_ids is not None:
+        return _last_token_by_position_onnx(x, position_ids, dim, rank)
     seq = op.Shape(x, start=dim, end=dim + 1)
     total = op.Shape(attention_mask, start=1, end=2)
     chunk = op.Cast(op.Slice(attention_mask, op.Sub(total, seq), total, [1]), to=INT64.dtype)
     positions = op.Range(op.Constant(value_int=0), op.Squeeze(seq), op.Constant(value_int=1))
     index = op.ReduceMax(op.Mul(chunk, positions), [1], keepdims=0)  # [batch]
-    rank = len(x.shape) if x.shape is not None else None
-    if rank is None:
-        raise ValueError("last_token needs a tensor of known rank")
     batch = op.Shape(x, start=0, end=1)
     ones = op.Constant(value_ints=[1] * (rank - 1))
     index = op.Reshape(index, op.Concat(batch, ones, axis=0))
     out_shape = op.ScatterElements(op.Shape(x), op.Constant(value_ints=[dim]), op.Constant(value_ints=[1]))
     return op.GatherElements(x, op.Expand(index, out_shape), axis=dim)
+
+
+def _last_token_by_position_onnx(x, position_ids, dim: int, rank: int):
+    """In the form the WebGPU EP runs entirely on the device and captures (as
+    ``sliding_window_slots``'s): float32 position ids (exact below 2**24) through int32, the first
+    maximum found with CumSum, the token picked by Where and a ReduceSum over the sequence axis.
+    Integers (position ids) and booleans are picked as float32 (exact below 2**24 too): ReduceSum
+    takes no booleans, and WebGPU sums no int64."""
+    f32 = FLOAT.dtype
+    positions = op.Cast(op.Cast(position_ids, to=INT32.dtype), to=f32)  # WebGPU casts no int64 to float
+    at_top = op.Equal(positions, op.ReduceMax(positions, [1], keepdims=1))
+    first = op.And(at_top, op.Equal(op.CumSum(op.Cast(at_top, to=f32), op.Constant(value_int=1)),
+                                    op.Constant(value_float=1.0)))  # [batch, seq]
+    if other_axes := [axis for axis in range(1, rank) if axis != dim]:
+        first = op.Unsqueeze(first, other_axes)
+    dtype = getattr(x, "dtype", None)
+    if dtype in _FLOATS:
+        return op.ReduceSum(op.Where(first, x, op.CastLike(0, x)), [dim], keepdims=1)
+    if dtype == ir.DataType.BOOL:
+        values = op.Cast(x, to=f32)
+    elif dtype in (ir.DataType.INT64, ir.DataType.INT32):
+        values = op.Cast(op.Cast(x, to=INT32.dtype), to=f32)
+    else:
+        raise ValueError(f"last_token by position ids takes float, integer or bool tensors, not {dtype}")
+    picked = op.ReduceSum(op.Where(first, values, op.Constant(value_float=0.0)), [dim], keepdims=1)
+    if dtype == ir.DataType.INT64:
+        picked = op.Cast(picked, to=INT32.dtype)
+    return op.Cast(picked, to=dtype)
+
+
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
 
 
 @torch.library.custom_op("genai_exporter::group_query_attention", mutates_args=())

@@ -50,9 +50,10 @@ def test_webgpu_package_is_ready_for_graph_capture(webgpu_exports):
     # Every sliding layer attends over its window's slots; full layers keep GroupQueryAttention.
     assert gqa["window_mask_layers"] == gqa["sliding_window_layers"] > 0
     assert captured.report.op_counts["com.microsoft.GroupQueryAttention"] < captured.layout.num_layers
-    # Dispatches per step: one window-slot computation for all sliding layers, no full-range Slice
-    # left (transformers' x[:, :, i] of the per-layer inputs: Tidy turns them into nothing).
-    assert captured.report.op_counts["CumSum"] == 2  # the slots' two counts, once
+    # Dispatches per step: one window-slot computation for all sliding layers and one last-token
+    # choice for all the gathers, no full-range Slice left (transformers' x[:, :, i] of the
+    # per-layer inputs: Tidy turns them into nothing).
+    assert captured.report.op_counts["CumSum"] == 3  # the slots' two counts and the first maximum, once
     full_slices = [n for n in model.graph if n.op_type == "Slice" and _is_full_range(n)]
     assert full_slices == []
     assert captured.report.onnx_pass_changes("tidy")["full_range_slices_removed"] >= 2 * captured.layout.num_layers
@@ -154,9 +155,7 @@ def test_graph_capture_generation_matches_cpu_past_the_window(webgpu_exports):
 @pytest.mark.l5
 def test_batched_generation_matches_cpu_past_the_window(webgpu_exports):
     """A batch of two prompts longer than the window, both packages (with and without capture):
-    the window attention's slots and bias are computed per row. (A batch of one length: the
-    captured graph takes each row's last position as its last token, as GenAI's unpadded
-    batches have it.)"""
+    the window attention's slots and bias are computed per row."""
     from helpers.genai_greedy import batched_greedy
 
     require_webgpu()
@@ -168,6 +167,28 @@ def test_batched_generation_matches_cpu_past_the_window(webgpu_exports):
     for package in (captured, uncaptured):
         got, _ = _webgpu_greedy(package.path, prompts, window + 8, "batched")
         assert got == want
+
+
+@pytest.mark.l5
+def test_batch_of_unequal_prompts_matches_each_prompt_alone(webgpu_exports):
+    """Prompts of three lengths in one batch, the shorter right-padded as GenAI pads them: each
+    row's tokens == that prompt's alone on the CPU package, with and without capture. The captured
+    decoder finds each row's last real token from its position ids (it once took the last
+    position, a padding token, and the short rows went wrong from their first token)."""
+    from helpers.genai_greedy import pad_token_id
+
+    require_webgpu()
+    cpu, captured, uncaptured = webgpu_exports
+    window = cpu.package.layout.sliding_window
+    pad = pad_token_id(cpu.package.path)
+    lengths = (window + 4, 9, 1)
+    prompts = [[(7 * i + 5 * row) % 500 + 5 for i in range(length)] for row, length in enumerate(lengths)]
+    assert all(pad not in prompt for prompt in prompts)
+    want = greedy(og.Model(str(cpu.package.path)), prompts, window + 8)
+    for package in (captured, uncaptured):
+        got, log = _webgpu_greedy(package.path, prompts, window + 8, "batched")
+        assert got == want, package.path.name
+        assert ("Replaying the captured WebGpuExecutionProvider graph" in log) == (package is captured)
 
 
 @pytest.mark.l5

@@ -58,12 +58,23 @@ def _planned_fx_passes(layout) -> list[str]:
     return [p.name for p in make_plan(export_settings(get_profile("cpu"), layout, "fp32")).sessions[0].fx_passes]
 
 
-def _check_semantics(name, tolerance=TOLERANCE):
+def _numbered_as_genai(inputs):
+    """Position ids as ONNX Runtime GenAI writes them for a batch: right-padding tokens get 0
+    (``make_inputs`` repeats the last real position)."""
+    input_ids, attention_mask, position_ids, past = inputs
+    chunk = attention_mask[:, attention_mask.shape[1] - position_ids.shape[1]:]
+    return input_ids, attention_mask, position_ids * chunk, past
+
+
+def _check_semantics(name, tolerance=TOLERANCE, graph_capture=False):
+    """``graph_capture``: the passes' captured form, whose gathers read the position ids."""
     model, layout, program = _traced(name)
     cases = _cases(layout, model.config.sliding_window)
+    if graph_capture:
+        cases += [_numbered_as_genai(inputs) for inputs in cases]
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
-    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    context = PassContext(profile=get_profile("cpu"), layout=layout, graph_capture=graph_capture)
     program, records = run_fx_passes(
         program, [FX_PASSES[n] for n in _planned_fx_passes(layout)], context
     )
@@ -84,8 +95,9 @@ def _check_semantics(name, tolerance=TOLERANCE):
 
 
 @pytest.mark.l2
-def test_tiny_gemma4_truncation_keeps_results():
-    changes = _check_semantics("tiny-gemma-4")
+@pytest.mark.parametrize("graph_capture", [False, True], ids=["gathers from the mask", "captured: from positions"])
+def test_tiny_gemma4_truncation_keeps_results(graph_capture):
+    changes = _check_semantics("tiny-gemma-4", graph_capture=graph_capture)
     assert changes["gather_last_token"] == {"gathers": 1}
     truncation = changes["truncate_shared_kv_layers"]
     assert truncation["first_truncated_layer"] == 5  # the last KV-owning layer, after its attention

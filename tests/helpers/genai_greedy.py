@@ -3,7 +3,8 @@
 
     python genai_greedy.py PACKAGE EP '[[prompt ids], ...]' NEW_TOKENS [batched]
 
-``batched``: the prompts (of one length) go through GenAI as one batch instead of one by one.
+``batched``: the prompts go through GenAI as one batch instead of one by one, shorter ones padded
+on the right with the package's pad token.
 """
 
 from __future__ import annotations
@@ -36,22 +37,33 @@ def greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     return results
 
 
-def batched_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def batched_greedy(model, prompts: list[list[int]], new_tokens: int, pad_token_id: int = 0) -> list[list[int]]:
+    """The prompts as one batch, shorter ones padded on the right with ``pad_token_id`` (as
+    GenAI's own tokenizer pads a batch); each row's new tokens."""
     import numpy as np
 
+    width = max(len(prompt) for prompt in prompts)
+    rows = [prompt + [pad_token_id] * (width - len(prompt)) for prompt in prompts]
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompts[0]) + new_tokens, do_sample=False, batch_size=len(prompts))
+    params.set_search_options(max_length=width + new_tokens, do_sample=False, batch_size=len(prompts))
     generator = og.Generator(model, params)
-    generator.append_tokens(np.array(prompts, dtype=np.int32))
+    generator.append_tokens(np.array(rows, dtype=np.int32))
     while not generator.is_done():
         generator.generate_next_token()
-    return [generator.get_sequence(row)[len(prompts[0]):].tolist() for row in range(len(prompts))]
+    return [generator.get_sequence(row)[width:].tolist() for row in range(len(prompts))]
+
+
+def pad_token_id(package: str | Path) -> int:
+    return json.loads((Path(package) / "genai_config.json").read_text())["model"]["pad_token_id"]
 
 
 def main(package: str, ep: str, prompts: str, new_tokens: str, mode: str = "one by one") -> None:
     register(get_profile(ep), genai=True)
-    run = batched_greedy if mode == "batched" else greedy
-    print(json.dumps(run(og.Model(package), json.loads(prompts), int(new_tokens))))
+    model, prompts, new_tokens = og.Model(package), json.loads(prompts), int(new_tokens)
+    if mode == "batched":
+        print(json.dumps(batched_greedy(model, prompts, new_tokens, pad_token_id(package))))
+    else:
+        print(json.dumps(greedy(model, prompts, new_tokens)))
 
 
 if __name__ == "__main__":
