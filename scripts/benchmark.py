@@ -68,7 +68,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-lengths", type=int, nargs="+", metavar="N",
                         help="WebGPU EP with graph capture: TTFT and decode of packages exported with each "
                              "--max-length N, generating under their own max_length (GenAI then allocates N KV "
-                             "slots); the model's context is raised to the largest N where it is shorter")
+                             "slots), a table per --prompt-lengths; the model's context is raised to the largest N "
+                             "where it is shorter")
     parser.add_argument("--precision", default="fp16", help="the --max-lengths packages' precision (default fp16)")
     return parser.parse_args()
 
@@ -373,7 +374,6 @@ def benchmark_max_length(args) -> None:
         print(f"raising {args.model}'s context from {text.max_position_embeddings} to {longest} positions",
               file=sys.stderr)
         text.max_position_embeddings = longest
-    length = args.prompt_lengths[0]
     with tempfile.TemporaryDirectory() as scratch:
         packages = {}
         for max_length in args.max_lengths:
@@ -381,13 +381,14 @@ def benchmark_max_length(args) -> None:
             packages[f"max_length {max_length}"] = export(
                 loaded.model, loaded.tokenizer, ep="webgpu", precision=args.precision, max_length=max_length,
                 output_dir=Path(scratch) / str(max_length))
-        results = alternating_generation(packages, length, args.decode_tokens, args.repeats, search_max_length=0)
         first = next(iter(packages))
-        print_generation_table(
-            f"WebGPU decode by max_length, {args.model}, ONNX Runtime GenAI on the WebGPU EP with graph capture, "
-            f"{args.precision}, {length}-token prompt, {args.decode_tokens} decoded tokens (median of {args.repeats}, "
-            "alternating)", "package", packages, results, first, first,
-            ("KV buffer MiB", lambda package: f"{package.report.kv_cache['bytes'] / 2**20:.1f}"))
+        for length in args.prompt_lengths:  # a table per prompt length, the packages alternating in each
+            results = alternating_generation(packages, length, args.decode_tokens, args.repeats, search_max_length=0)
+            print_generation_table(
+                f"WebGPU decode by max_length, {args.model}, ONNX Runtime GenAI on the WebGPU EP with graph capture, "
+                f"{args.precision}, {length}-token prompt, {args.decode_tokens} decoded tokens (median of "
+                f"{args.repeats}, alternating)", "package", packages, results, first, first,
+                ("KV buffer MiB", lambda package: f"{package.report.kv_cache['bytes'] / 2**20:.1f}"))
 
 
 def benchmark_fusions(args) -> None:
