@@ -45,8 +45,8 @@ class EpProfile:
     graph_capture_option: the provider option that turns on graph capture (CUDA graphs, WebGPU's
         command recording), empty if the EP has none.
     graph_capture: whether packages for this profile capture the decoder's graph. A captured graph
-        must run every node on the EP, with no shape computed on the CPU, at batch size 1; the
-        export fails if it cannot make the graph so.
+        must run every node on the EP, with no shape computed on the CPU; the export fails if it
+        cannot make the graph so.
     max_length: a cap on genai_config's context_length / max_length, None for the model's own.
     transposed_matmul: whether the EP runs ``com.microsoft.FusedMatMul`` with ``transB`` (a MatMul
         reading its weight transposed): a float linear weight is then read as its checkpoint stores

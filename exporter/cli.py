@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"execution provider profile: {', '.join(PROFILES)} (default: cpu; `list` describes them)")
     parser.add_argument("--no-graph-capture", dest="graph_capture", action="store_false",
                         help="for an EP profile that captures the decoder's graph (webgpu): export without "
-                             "graph capture (batch sizes above 1; some shape work may run on the CPU)")
+                             "graph capture (some shape work may then run on the CPU)")
     parser.add_argument("-o", "--output", type=Path, metavar="DIR",
                         help="package folder to create (default: ./<model>-<ep>-<precision>)")
     parser.add_argument("--precision", choices=PRECISIONS,

@@ -40,6 +40,7 @@ from exporter.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
+from fx_passes.markers import CAPTURED_CONTEXT_LIMIT
 from fx_passes.substitute_group_query_attention import describe_plain_layers
 
 
@@ -120,7 +121,7 @@ def export(
     ``PreTrainedModel`` (then ``tokenizer`` is required). ``ep`` is a profile name or an
     ``EpProfile`` of your own (e.g. ``dataclasses.replace(get_profile("cpu"), max_buffer_size=...)``).
     ``graph_capture=False`` exports for a profile's EP with graph capture off (a profile that
-    captures needs batch size 1 and every node on the EP). By default the graph computes logits
+    captures needs every node on the EP). By default the graph computes logits
     for each sequence's last token only (what generation reads); ``full_logits=True`` keeps all
     positions, for scoring. ``on_stage(name, record)`` is called with ``record=None`` when a
     stage starts and with its timings when it ends. ``random_weights`` builds the source's
@@ -167,6 +168,10 @@ def export(
     destination.require_space(target, _fewest_weight_bytes(prepared, settings, plan) + tokenizer_bytes)
     report = _new_report(loaded, settings, plan)
     length = chosen_context_length(settings.layout, profile)
+    if settings.graph_capture and length > CAPTURED_CONTEXT_LIMIT:
+        raise ExporterError(f"max_length {length} is over what a graph-captured decoder counts exactly "
+                            f"({CAPTURED_CONTEXT_LIMIT} tokens, in float32 on the device): choose "
+                            f"--max-length {CAPTURED_CONTEXT_LIMIT} or less, or --no-graph-capture")
     report.kv_cache = {"max_length": length, "element_bytes": compute_dtype.itemsize,
                        "bytes": settings.layout.kv_cache_bytes(length, compute_dtype.itemsize)}
 

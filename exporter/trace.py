@@ -172,7 +172,8 @@ def make_inputs(
     if right_padding:
         for row, pad in enumerate(right_padding):
             attention_mask[row, past + seq - pad :] = 0
-    # Positions as ONNX Runtime GenAI computes them: count of real tokens before each one.
+    # Positions: the count of real tokens before each one (GenAI's numbering, except that GenAI
+    # numbers right padding 0 where this repeats the last real position).
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     position_ids = positions[:, past:].contiguous()
     past_kv = []

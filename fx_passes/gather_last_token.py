@@ -33,7 +33,7 @@ _PROJECTIONS = (_aten.linear.default, _aten.matmul.default, _aten.mm.default)
 def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.fx.Node, axis: int,
                       context: PassContext, before: torch.fx.Node | None = None) -> torch.fx.Node:
     """A ``last_token`` of ``tensor``, right after it or right ``before`` a node (its first reader,
-    so in-place writes into ``tensor`` in between are gathered too); a graph-captured decoder's
+    so in-place writes into ``tensor`` in between are gathered too); in a graph-captured decoder it
     reads the position ids instead of the mask (``last_token``'s form with no shape arithmetic)."""
     position_ids = graph_input(graph, "position_ids") if context.graph_capture else None
     with graph.inserting_after(tensor) if before is None else graph.inserting_before(before):

@@ -14,6 +14,11 @@ from onnxscript import FLOAT, INT32, INT64
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
+# Graph-captured forms count tokens and compare position ids in float32 (the WebGPU EP does no
+# int64 arithmetic), exact up to here: the export refuses a captured context longer than this.
+CAPTURED_CONTEXT_LIMIT = 2**24
+
+
 @torch.library.custom_op("genai_exporter::last_token", mutates_args=())
 def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int,
                position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,8 +32,10 @@ def last_token(x: torch.Tensor, attention_mask: torch.Tensor, dim: int,
     ``position_ids``: a graph-captured decoder's form, whose attention mask is a zero-padded
     buffer of max_length columns and whose ONNX form may do no shape arithmetic (it would run on
     the CPU). The last real token is then the first position holding the row's largest position
-    id: ONNX Runtime GenAI numbers a row's tokens by their place in the chunk and gives its
-    right-padding tokens position 0.
+    id: ONNX Runtime GenAI numbers a row's real tokens by the count of real tokens before them and
+    gives right-padding tokens (the only padding its tokenizer makes) position 0. A left-padded row
+    with one real token is misread (its padding looks like that token: all 0); the ONNX form
+    compares float32 ids, exact below 2**24 (the export caps a captured max_length there).
     """
     if position_ids is not None:
         at_top = position_ids == position_ids.amax(dim=1, keepdim=True)

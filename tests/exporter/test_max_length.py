@@ -52,3 +52,13 @@ def test_a_wrong_max_length_is_refused(tmp_path, length, words):
     with pytest.raises(ExporterError, match=words.replace("(", r"\(")):
         export("tiny-llama", output_dir=tmp_path / "pkg", max_length=length)
     assert not (tmp_path / "pkg").exists()
+
+
+def test_a_captured_context_past_float32_counts_is_refused(tmp_path):
+    """Graph-captured decoders count tokens and compare position ids in float32 on the device,
+    exact to 2**24: a longer captured context is refused before anything is written."""
+    model, tokenizer = build_preset("tiny-llama")
+    model.config.max_position_embeddings = 2**24 + 1
+    with pytest.raises(ExporterError, match=r"over what a graph-captured decoder counts exactly \(16777216 tokens"):
+        export(model, tokenizer, ep="webgpu", output_dir=tmp_path / "pkg", max_length=2**24 + 1)
+    assert not (tmp_path / "pkg").exists()

@@ -175,12 +175,12 @@ def test_batch_of_unequal_prompts_matches_each_prompt_alone(webgpu_exports):
     row's tokens == that prompt's alone on the CPU package, with and without capture. The captured
     decoder finds each row's last real token from its position ids (it once took the last
     position, a padding token, and the short rows went wrong from their first token)."""
-    from helpers.genai_greedy import pad_token_id
+    from helpers.genai_greedy import package_pad_token_id
 
     require_webgpu()
     cpu, captured, uncaptured = webgpu_exports
     window = cpu.package.layout.sliding_window
-    pad = pad_token_id(cpu.package.path)
+    pad = package_pad_token_id(cpu.package.path)
     lengths = (window + 4, 9, 1)
     prompts = [[(7 * i + 5 * row) % 500 + 5 for i in range(length)] for row, length in enumerate(lengths)]
     assert all(pad not in prompt for prompt in prompts)

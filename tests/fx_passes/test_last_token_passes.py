@@ -78,6 +78,8 @@ def _check_semantics(name, tolerance=TOLERANCE, graph_capture=False):
     program, records = run_fx_passes(
         program, [FX_PASSES[n] for n in _planned_fx_passes(layout)], context
     )
+    gathers = [node for node in program.graph.nodes if node.target is LAST_TOKEN]
+    assert gathers and all((node.args[3] is not None) == graph_capture for node in gathers)
     oracle = GenAIDecoder(model, layout, logits_to_keep=1).eval()
     with torch.no_grad():
         for inputs, expected in zip(cases, before, strict=True):

@@ -53,7 +53,7 @@ def batched_greedy(model, prompts: list[list[int]], new_tokens: int, pad_token_i
     return [generator.get_sequence(row)[width:].tolist() for row in range(len(prompts))]
 
 
-def pad_token_id(package: str | Path) -> int:
+def package_pad_token_id(package: str | Path) -> int:
     return json.loads((Path(package) / "genai_config.json").read_text())["model"]["pad_token_id"]
 
 
@@ -61,7 +61,7 @@ def main(package: str, ep: str, prompts: str, new_tokens: str, mode: str = "one 
     register(get_profile(ep), genai=True)
     model, prompts, new_tokens = og.Model(package), json.loads(prompts), int(new_tokens)
     if mode == "batched":
-        print(json.dumps(batched_greedy(model, prompts, new_tokens, pad_token_id(package))))
+        print(json.dumps(batched_greedy(model, prompts, new_tokens, package_pad_token_id(package))))
     else:
         print(json.dumps(greedy(model, prompts, new_tokens)))
 
