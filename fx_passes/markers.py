@@ -93,12 +93,9 @@ def _last_token_by_position_onnx(x, position_ids, dim: int, rank: int):
     dtype = getattr(x, "dtype", None)
     if dtype in _FLOATS:
         return op.ReduceSum(op.Where(first, x, op.CastLike(0, x)), [dim], keepdims=1)
-    if dtype == ir.DataType.BOOL:
-        values = op.Cast(x, to=f32)
-    elif dtype in (ir.DataType.INT64, ir.DataType.INT32):
-        values = op.Cast(op.Cast(x, to=INT32.dtype), to=f32)
-    else:
+    if dtype not in (ir.DataType.BOOL, ir.DataType.INT64, ir.DataType.INT32):
         raise ValueError(f"last_token by position ids takes float, integer or bool tensors, not {dtype}")
+    values = op.Cast(op.Cast(x, to=INT32.dtype) if dtype == ir.DataType.INT64 else x, to=f32)
     picked = op.ReduceSum(op.Where(first, values, op.Constant(value_float=0.0)), [dim], keepdims=1)
     if dtype == ir.DataType.INT64:
         picked = op.Cast(picked, to=INT32.dtype)
