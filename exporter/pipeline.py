@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ep_profiles import EpProfile, get_profile
+from ep_profiles.profile import WINDOW_BY_MASK
 from ep_profiles.registry import UnknownProfileError
 from exporter import destination, graph_cache, package, postconditions, weights
 from exporter.errors import ExporterBug, ExporterError, environment_error
@@ -40,7 +41,7 @@ from exporter.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
-from fx_passes.markers import CAPTURED_CONTEXT_LIMIT
+from fx_passes.markers import FLOAT32_COUNT_LIMIT
 from fx_passes.substitute_group_query_attention import describe_plain_layers
 
 
@@ -168,10 +169,10 @@ def export(
     destination.require_space(target, _fewest_weight_bytes(prepared, settings, plan) + tokenizer_bytes)
     report = _new_report(loaded, settings, plan)
     length = chosen_context_length(settings.layout, profile)
-    if settings.graph_capture and length > CAPTURED_CONTEXT_LIMIT:
-        raise ExporterError(f"max_length {length} is over what a graph-captured decoder counts exactly "
-                            f"({CAPTURED_CONTEXT_LIMIT} tokens, in float32 on the device): choose "
-                            f"--max-length {CAPTURED_CONTEXT_LIMIT} or less, or --no-graph-capture")
+    if _counts_in_float32(settings) and length > FLOAT32_COUNT_LIMIT:
+        raise ExporterError(f"max_length {length} is over what this {settings.profile.name} decoder counts exactly "
+                            f"({FLOAT32_COUNT_LIMIT} tokens, in float32 on the device): choose --max-length "
+                            f"{FLOAT32_COUNT_LIMIT} or less (API: max_length=)")
     report.kv_cache = {"max_length": length, "element_bytes": compute_dtype.itemsize,
                        "bytes": settings.layout.kv_cache_bytes(length, compute_dtype.itemsize)}
 
@@ -394,6 +395,13 @@ def _with_plain_attention_layers(settings: ExportSettings, session, fx_records: 
 def _stage(step: str, session, settings: ExportSettings) -> str:
     """A step's stage name: the step itself in a one-session package, ``step:session`` otherwise."""
     return f"{step}:{session.name}" if settings.multimodal else step
+
+
+def _counts_in_float32(settings: ExportSettings) -> bool:
+    """Whether the decoder counts tokens or compares position ids in float32 on the device: the
+    captured last-token choice, and the sliding-window attention over explicit slots."""
+    windowed = settings.profile.sliding_window == WINDOW_BY_MASK and settings.layout.sliding_window is not None
+    return settings.graph_capture or windowed
 
 
 def _with_max_length(profile: EpProfile, max_length: int | None, layout: DecoderLayout) -> EpProfile:

@@ -14,9 +14,10 @@ from onnxscript import FLOAT, INT32, INT64
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
-# Graph-captured forms count tokens and compare position ids in float32 (the WebGPU EP does no
-# int64 arithmetic), exact up to here: the export refuses a captured context longer than this.
-CAPTURED_CONTEXT_LIMIT = 2**24
+# The device-side forms (sliding_window_slots, last_token by position ids) count tokens and compare
+# position ids in float32 (the WebGPU EP does no int64 arithmetic), exact up to here: the export
+# refuses a longer context where it writes them.
+FLOAT32_COUNT_LIMIT = 2**24
 
 
 @torch.library.custom_op("genai_exporter::last_token", mutates_args=())

@@ -54,11 +54,27 @@ def test_a_wrong_max_length_is_refused(tmp_path, length, words):
     assert not (tmp_path / "pkg").exists()
 
 
-def test_a_captured_context_past_float32_counts_is_refused(tmp_path):
+def test_a_context_past_float32_counts_is_refused_where_the_device_counts(tmp_path):
     """Graph-captured decoders count tokens and compare position ids in float32 on the device,
-    exact to 2**24: a longer captured context is refused before anything is written."""
+    exact to 2**24: a longer captured context is refused before anything is written. Without
+    capture (and without sliding layers, whose window slots are counted the same way) it is not."""
     model, tokenizer = build_preset("tiny-llama")
     model.config.max_position_embeddings = 2**24 + 1
-    with pytest.raises(ExporterError, match=r"over what a graph-captured decoder counts exactly \(16777216 tokens"):
-        export(model, tokenizer, ep="webgpu", output_dir=tmp_path / "pkg", max_length=2**24 + 1)
+    stages = []
+    with pytest.raises(ExporterError, match=r"over what this webgpu decoder counts exactly \(16777216 tokens"):
+        export(model, tokenizer, ep="webgpu", output_dir=tmp_path / "pkg", max_length=2**24 + 1,
+               on_stage=lambda name, record: stages.append(name))
+    assert not (tmp_path / "pkg").exists() and set(stages) == {"load"}  # refused before the trace
+    uncaptured = export(model, tokenizer, ep="webgpu", output_dir=tmp_path / "uncaptured", max_length=2**24 + 1,
+                        graph_capture=False)
+    assert json.loads((uncaptured.path / "genai_config.json").read_text())["model"]["context_length"] == 2**24 + 1
+
+
+def test_sliding_layers_on_webgpu_count_in_float32_without_capture_too(tmp_path):
+    """The webgpu profile's sliding-window attention counts a row's tokens in float32 whether or
+    not the graph is captured: past 2**24 it is refused either way."""
+    model, tokenizer = build_preset("tiny-gemma-4")
+    model.config.get_text_config().max_position_embeddings = 2**24 + 1
+    with pytest.raises(ExporterError, match=r"over what this webgpu decoder counts exactly"):
+        export(model, tokenizer, ep="webgpu", output_dir=tmp_path / "pkg", max_length=2**24 + 1, graph_capture=False)
     assert not (tmp_path / "pkg").exists()

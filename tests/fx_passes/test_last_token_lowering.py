@@ -20,8 +20,8 @@ HIDDEN = 6
 
 class LastTokens(torch.nn.Module):
     """The marker on a hidden state [batch, seq, hidden] (float32 and float16), on the position
-    ids themselves (integers), on a [batch, heads, seq, head] tensor (sequence on axis 2) and on
-    booleans."""
+    ids themselves (int64 and int32), on a [batch, heads, seq, head] tensor (sequence on axis 2)
+    and on booleans."""
 
     def __init__(self, by_position: bool):
         super().__init__()
@@ -33,13 +33,14 @@ class LastTokens(torch.nn.Module):
         odd = position_ids.remainder(2) == 1
         return (last_token(hidden, attention_mask, 1, reference), last_token(position_ids, attention_mask, 1, reference),
                 last_token(heads, attention_mask, 2, reference), last_token(odd, attention_mask, 1, reference),
-                last_token(hidden.half(), attention_mask, 1, reference))
+                last_token(hidden.half(), attention_mask, 1, reference), last_token(position_ids.int(), attention_mask, 1, reference))
 
 
 def _genai_inputs(real: list[int], seq: int, past: int):
     """A batch as ONNX Runtime GenAI gives it: row b has ``real[b]`` real tokens in this chunk of
     ``seq``, right-padded; real tokens are numbered by their place after the past, padding gets
-    position 0 and mask 0. Padded positions of the tensors hold NaN, which must not leak."""
+    position 0 and mask 0. Padded positions of the tensors hold NaN, which must not leak, except in
+    a row with no real token, whose pick (position 0) is then told apart from the others."""
     generator = torch.Generator().manual_seed(0)
     batch = len(real)
     hidden = torch.randn(batch, seq, HIDDEN, generator=generator)
@@ -49,8 +50,9 @@ def _genai_inputs(real: list[int], seq: int, past: int):
     for row, count in enumerate(real):
         mask[row, : past + count] = 1
         positions[row, :count] = torch.arange(past, past + count)
-        hidden[row, count:] = float("nan")
-        heads[row, :, count:] = float("nan")
+        if count:
+            hidden[row, count:] = float("nan")
+            heads[row, :, count:] = float("nan")
     return hidden, heads, mask, positions
 
 
@@ -76,7 +78,8 @@ def sessions(tmp_path_factory):
             {0: batch, 1: seq}, {0: batch, 2: seq}, {0: batch, 1: total}, {0: batch, 1: seq}))
         path = folder / f"by_position_{by_position}.onnx"
         model, _ = lower(program, sample, ["hidden", "heads", "attention_mask", "position_ids"],
-                         ["last_hidden", "last_position", "last_heads", "last_odd", "last_hidden_fp16"])
+                         ["last_hidden", "last_position", "last_heads", "last_odd", "last_hidden_fp16",
+                          "last_position_int32"])
         ir.save(model, path)
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         made[by_position] = session, cpu_placed_nodes(model)
@@ -103,7 +106,8 @@ def test_lowered_last_token_picks_each_rows_last_real_token(sessions, case, by_p
             torch.stack([positions[row, [j]] for row, j in enumerate(last)]),
             torch.stack([heads[row, :, [j]] for row, j in enumerate(last)]),
             torch.stack([positions[row, [j]] % 2 == 1 for row, j in enumerate(last)]),
-            torch.stack([hidden[row, [j]] for row, j in enumerate(last)]).half())
+            torch.stack([hidden[row, [j]] for row, j in enumerate(last)]).half(),
+            torch.stack([positions[row, [j]] for row, j in enumerate(last)]).int())
     for name, values in (("ONNX Runtime", got), ("marker kernel", kernel)):
         for value, expected in zip(values, want, strict=True):
             assert value.dtype == expected.dtype, name
