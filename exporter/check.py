@@ -4,12 +4,12 @@ Each check yields a Finding (passed or failed, with a one-line detail). The CLI 
 non-zero if any failed; ``--json`` prints them as JSON for CI scripts. Checks: the files exist and
 load, opset domains are ones ONNX Runtime runs, every op's types are ones its ONNX schema allows,
 the largest initializer fits the profile's buffer limit, genai_config.json agrees with the graph
-(I/O names, KV layers, head dims, vocabulary) and loads in ONNX Runtime GenAI, an ONNX Runtime session with the profile's provider and the package's
-provider options (graph capture included) places every node (on the EP, or the CPU where the
-profile allows), and a short greedy generation runs on the CPU and, where the EP is installed,
-gives the same tokens on the EP. Checks that need an EP this machine lacks are reported as
-skipped. With ``--against SOURCE``, the package is also compared with transformers running the
-source (``exporter.check_against``).
+(I/O names, KV layers, head dims, vocabulary) and loads in ONNX Runtime GenAI, an ONNX Runtime
+session with the profile's provider and the package's provider options (graph capture included)
+places every node (on the EP, or the CPU where the profile allows), and a short greedy
+generation runs on the CPU and, where the EP is installed, gives the same tokens on the EP.
+Checks that need an EP this machine lacks are reported as skipped. With ``--against SOURCE``,
+the package is also compared with transformers running the source (``exporter.check_against``).
 
 A multimodal package (Gemma 4: decoder, embedding, vision and speech sessions) is checked session by
 session: domains and buffer limits of every graph, each section's I/O mapping against its graph (a
