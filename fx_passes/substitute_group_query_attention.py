@@ -7,7 +7,9 @@ chain, see ``attention_cores``) is traced back to the ``cat([past, new])`` its k
 come from. The first core to read a cache owns it: its marker takes the new K/V and the past
 input, and its present K/V replace the concat as graph outputs. A later core reading the same
 cache (Gemma 4's KV-shared layers) gets empty new K/V and the owner's present as its past, the
-form ONNX Runtime 1.32 computes correctly (``tests/fx_passes/test_gqa_reference_kernel.py``). Each mask is run on a
+form ONNX Runtime 1.32 computes correctly (``tests/fx_passes/test_gqa_reference_kernel.py``); where
+the profile says ``shared_kv_reads_prefix``, only that past's real tokens (see the marker's
+``past_prefix``). Each mask is run on a
 probe sequence to learn whether it is causal or a causal sliding window (``mask_probe``); the
 marker builds that mask itself, so transformers' mask subgraph becomes dead and is removed.
 
@@ -123,7 +125,8 @@ class SubstituteGroupQueryAttention:
                     if not mask_window:
                         empty = _no_tokens(graph, query, kv_heads * head)
                         marker = _call(graph, _GQA, query, empty, empty, present_key, present_value, attention_mask,
-                                       heads, kv_heads, core.scale, core.softcap, window, *caches)
+                                       heads, kv_heads, core.scale, core.softcap, window, *caches,
+                                       past_prefix=context.profile.shared_kv_reads_prefix)
                         output = _call(graph, operator.getitem, marker, 0)
                 if mask_window:
                     if caches:  # the window attention takes its queries rotated, by one ONNX Runtime kernel
@@ -216,8 +219,8 @@ def _output_read(marker: Node) -> bool:
     return any(user.args[1] == 0 and user.users for user in marker.users)
 
 
-def _call(graph: Graph, target, *args) -> Node:
-    node = graph.call_function(target, args)
+def _call(graph: Graph, target, *args, **kwargs) -> Node:
+    node = graph.call_function(target, args, kwargs)
     set_fake_value(node)
     return node
 
