@@ -45,8 +45,9 @@ class EpProfile:
     shared_kv_reads_prefix: whether a KV-shared layer's GroupQueryAttention is handed only the
         first ``total_sequence_length`` slots of its owner's KV buffer, by a Slice whose end is
         computed on the host (so not for a captured graph). ONNX Runtime 1.32's CPU kernel
-        otherwise copies the whole buffer, max_length slots when it is shared, into a present
-        nobody reads, in every such layer at every step.
+        otherwise zero-fills a present as long as that buffer (max_length slots when it is
+        shared) and copies the real tokens into it, a present nobody reads, in every such layer
+        at every step.
     graph_capture_option: the provider option that turns on graph capture (CUDA graphs, WebGPU's
         command recording), empty if the EP has none.
     graph_capture: whether packages for this profile capture the decoder's graph. A captured graph

@@ -146,7 +146,7 @@ def group_query_attention(
     ``total_sequence_length`` slots (a Slice, its end computed on the host), the only ones any row
     reads. The attention output is the same; the present then holds only those slots and the new
     ones, so it is for a KV-shared layer, whose present nobody reads: ONNX Runtime 1.32's CPU
-    kernel copies its whole past (GenAI's max_length-slot buffer) into that present every call.
+    kernel zero-fills a present as long as its past (GenAI's max_length-slot buffer) every call.
     This kernel ignores it.
     """
     batch, seq, _ = query.shape
@@ -213,6 +213,8 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, heads: int, cos_cache, sin
 @group_query_attention.register_fake
 def _(query, key, value, past_key, past_value, attention_mask, num_heads, kv_num_heads, scale, softcap,
       local_window_size, cos_cache=None, sin_cache=None, past_prefix=False):
+    # With past_prefix the ONNX form's present is shorter (total_sequence_length + new): only
+    # markers whose present nobody reads take it, so no reader sees this shape.
     shape = list(past_key.shape)
     shape[2] = past_key.shape[2] + key.shape[1]
     return query.new_empty(query.shape), past_key.new_empty(shape), past_value.new_empty(shape)
