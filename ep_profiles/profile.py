@@ -54,10 +54,6 @@ class EpProfile:
         must run every node on the EP, with no shape computed on the CPU; the export fails if it
         cannot make the graph so.
     max_length: a cap on genai_config's context_length / max_length, None for the model's own.
-    intra_op_threads: ``intra_op_num_threads`` written into every session's options: 0 is ONNX
-        Runtime's own default (a thread per physical core). None writes nothing, which leaves ONNX
-        Runtime GenAI 0.18's default: half the logical cores (at most 16), one thread on a 2-core
-        machine without SMT, and half the cores of any machine without SMT (most phones).
     transposed_matmul: whether the EP runs ``com.microsoft.FusedMatMul`` with ``transB`` (a MatMul
         reading its weight transposed): a float linear weight is then read as its checkpoint stores
         it (nothing transposed when the package is written), and a tied LM head reads the
@@ -91,7 +87,6 @@ class EpProfile:
     graph_capture_option: str = ""
     graph_capture: bool = False
     max_length: int | None = None
-    intra_op_threads: int | None = None
     transposed_matmul: bool = False
     mixture_of_experts_precisions: tuple[str, ...] = ()
     int4_activations: str = "fp16"

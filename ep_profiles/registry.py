@@ -23,9 +23,6 @@ CPU = EpProfile(
     # gemma-4-e2b-shape fp32, 512-token prompt, max_length 4096: decode 11.7 -> 13.6 tok/s with it
     # (scripts/compare_packages.py); its 20 KV-shared layers had each zero-filled a 4096-slot present.
     shared_kv_reads_prefix=True,
-    # On this project's 2-core host (no SMT) GenAI's default is one thread: gemma-4-e2b-shape fp32
-    # decoded at 80-85 ms per step with it, 53-55 ms with ONNX Runtime's default.
-    intra_op_threads=0,
     int4_activations="fp32",
     int4_accuracy_level=4,
     # Verified here; CUDA and DML list the kernel too but were not run. WebGPU (plugin 0.4.0) places

@@ -52,15 +52,11 @@ class Session(Protocol):
 
 
 def session_options(profile, captured: bool) -> dict[str, Any]:
-    """A section's session options: the profile's provider, with graph capture only where captured,
-    and its intra-op thread count where it sets one."""
+    """A section's session options: the profile's provider, with graph capture only where captured."""
     provider_options = (
         [{profile.genai_provider: profile.genai_provider_options(captured)}] if profile.genai_provider else []
     )
-    options = {"log_id": "onnxruntime-genai", "provider_options": provider_options}
-    if profile.intra_op_threads is not None:
-        options["intra_op_num_threads"] = profile.intra_op_threads
-    return options
+    return {"log_id": "onnxruntime-genai", "provider_options": provider_options}
 
 
 def export_program(wrapper: torch.nn.Module, sample: tuple, dynamic_shapes) -> ExportedProgram:
