@@ -42,12 +42,11 @@ class EpProfile:
     max_buffer_size: the largest single weight the EP can hold, in bytes; None means no limit.
     past_present_share_buffer: whether generation shares one KV buffer between past and present
         (written to genai_config only when every layer's attention is GroupQueryAttention).
-    shared_kv_reads_prefix: whether a KV-shared layer's GroupQueryAttention is handed only the
-        first ``total_sequence_length`` slots of its owner's KV buffer, by a Slice whose end is
-        computed on the host (so not for a captured graph). ONNX Runtime 1.32's CPU kernel
-        otherwise zero-fills a present as long as that buffer (max_length slots when it is
-        shared) and copies the real tokens into it, a present nobody reads, in every such layer
-        at every step.
+    omit_unread_presents: whether GroupQueryAttention nodes whose present key and value nobody
+        reads (KV-shared layers) are written without those optional outputs, so the EP's kernel
+        reads the past in place. ONNX Runtime 1.32's CPU kernel otherwise zero-fills a present as
+        long as the past (max_length slots when the buffer is shared) and copies the past into it,
+        in every such layer at every step.
     graph_capture_option: the provider option that turns on graph capture (CUDA graphs, WebGPU's
         command recording), empty if the EP has none.
     graph_capture: whether packages for this profile capture the decoder's graph. A captured graph
@@ -83,7 +82,7 @@ class EpProfile:
     sliding_window: str = WINDOW_BY_ATTRIBUTE
     max_buffer_size: int | None = None
     past_present_share_buffer: bool = False
-    shared_kv_reads_prefix: bool = False
+    omit_unread_presents: bool = False
     graph_capture_option: str = ""
     graph_capture: bool = False
     max_length: int | None = None
@@ -97,9 +96,6 @@ class EpProfile:
             raise ValueError(f"profile {self.name}: unknown sliding_window '{self.sliding_window}'")
         if self.graph_capture and not self.graph_capture_option:
             raise ValueError(f"profile {self.name}: graph_capture needs a graph_capture_option")
-        if self.graph_capture and self.shared_kv_reads_prefix:
-            raise ValueError(f"profile {self.name}: shared_kv_reads_prefix computes a shape on the host, "
-                             "which graph capture does not allow")
 
     @property
     def default_precision(self) -> str:

@@ -20,9 +20,9 @@ CPU = EpProfile(
     attention_op=GROUP_QUERY_ATTENTION,
     norm_fusions=_NORMS,
     past_present_share_buffer=True,
-    # gemma-4-e2b-shape fp32, 512-token prompt, max_length 4096: decode 11.7 -> 13.6 tok/s with it
-    # (scripts/compare_packages.py); its 20 KV-shared layers had each zero-filled a 4096-slot present.
-    shared_kv_reads_prefix=True,
+    # ONNX Runtime 1.32's CPU kernel, measured: a KV-shared call without presents gives the same
+    # output and skips their zero-fill and copy (exporter/onnx_passes/omit_unread_presents.py).
+    omit_unread_presents=True,
     int4_activations="fp32",
     int4_accuracy_level=4,
     # Verified here; CUDA and DML list the kernel too but were not run. WebGPU (plugin 0.4.0) places

@@ -121,7 +121,6 @@ def group_query_attention(
     local_window_size: int,
     cos_cache: torch.Tensor | None = None,
     sin_cache: torch.Tensor | None = None,
-    past_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ONNX Runtime's ``com.microsoft.GroupQueryAttention`` (separate past and present buffers),
     with ``seqlens_k`` and ``total_sequence_length`` taken from the attention mask.
@@ -140,14 +139,8 @@ def group_query_attention(
     ONNX Runtime rejects batch > 1 with several new tokens after a past (GenAI never sends it);
     this kernel computes it anyway, for tests. Returns the attention output
     [batch, seq, num_heads * head] and the present key/value
-    [batch, kv_num_heads, past + new, head].
-
-    ``past_prefix``: the ONNX form hands GroupQueryAttention only the past's first
-    ``total_sequence_length`` slots (a Slice, its end computed on the host), the only ones any row
-    reads. The attention output is the same; the present then holds only those slots and the new
-    ones, so it is for a KV-shared layer, whose present nobody reads: ONNX Runtime 1.32's CPU
-    kernel zero-fills a present as long as its past (GenAI's max_length-slot buffer) every call.
-    This kernel ignores it.
+    [batch, kv_num_heads, past + new, head]. (Where nobody reads the present, a KV-shared layer's,
+    the ONNX node can be written without it: ``exporter.onnx_passes.omit_unread_presents``.)
     """
     batch, seq, _ = query.shape
     new, past, head = key.shape[1], past_key.shape[2], past_key.shape[3]
@@ -212,9 +205,7 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, heads: int, cos_cache, sin
 
 @group_query_attention.register_fake
 def _(query, key, value, past_key, past_value, attention_mask, num_heads, kv_num_heads, scale, softcap,
-      local_window_size, cos_cache=None, sin_cache=None, past_prefix=False):
-    # With past_prefix the ONNX form's present is shorter (total_sequence_length + new): only
-    # markers whose present nobody reads take it, so no reader sees this shape.
+      local_window_size, cos_cache=None, sin_cache=None):
     shape = list(past_key.shape)
     shape[2] = past_key.shape[2] + key.shape[1]
     return query.new_empty(query.shape), past_key.new_empty(shape), past_value.new_empty(shape)
@@ -262,7 +253,7 @@ _GROUP_QUERY_ATTENTION = _contrib_op(
 
 def _group_query_attention_onnx(query, key, value, past_key, past_value, attention_mask, num_heads: int,
                                 kv_num_heads: int, scale: float, softcap: float, local_window_size: int,
-                                cos_cache=None, sin_cache=None, past_prefix: bool = False):
+                                cos_cache=None, sin_cache=None):
     # Identical in every layer: the ONNX common-subexpression pass keeps one copy. In int32 and
     # without Shape, so the EP runs it on the device (graph capture needs that): the total length
     # is the longest row's real tokens, which is the mask's width for ONNX Runtime GenAI's batches
@@ -271,10 +262,6 @@ def _group_query_attention_onnx(query, key, value, past_key, past_value, attenti
     real = op.ReduceSum(op.Cast(attention_mask, to=INT32.dtype), op.Constant(value_ints=[1]), keepdims=0)
     seqlens_k = op.Sub(real, op.Constant(value=onnx.helper.make_tensor("one", onnx.TensorProto.INT32, [], [1])))
     total = op.ReduceMax(real, keepdims=0)
-    if past_prefix:
-        end = op.Reshape(op.Cast(total, to=INT64.dtype), op.Constant(value_ints=[1]))
-        past_key, past_value = (op.Slice(past, op.Constant(value_ints=[0]), end, op.Constant(value_ints=[2]))
-                                for past in (past_key, past_value))
     rotary = {} if cos_cache is None else {"do_rotary": 1, "rotary_interleaved": 0}
     return _GROUP_QUERY_ATTENTION(
         query, key, value, past_key, past_value, seqlens_k, total, cos_cache, sin_cache,

@@ -7,10 +7,9 @@ chain, see ``attention_cores``) is traced back to the ``cat([past, new])`` its k
 come from. The first core to read a cache owns it: its marker takes the new K/V and the past
 input, and its present K/V replace the concat as graph outputs. A later core reading the same
 cache (Gemma 4's KV-shared layers) gets empty new K/V and the owner's present as its past, the
-form ONNX Runtime 1.32 computes correctly (``tests/fx_passes/test_gqa_reference_kernel.py``); where
-the profile says ``shared_kv_reads_prefix``, only that past's real tokens (see the marker's
-``past_prefix``). Each mask is run on a
-probe sequence to learn whether it is causal or a causal sliding window (``mask_probe``); the
+form ONNX Runtime 1.32 computes correctly (``tests/fx_passes/test_gqa_reference_kernel.py``); its
+present, which nobody reads, is left out of the ONNX node where the profile says
+``omit_unread_presents``. Each mask is run on a probe sequence to learn whether it is causal or a causal sliding window (``mask_probe``); the
 marker builds that mask itself, so transformers' mask subgraph becomes dead and is removed.
 
 Padding: GroupQueryAttention reads only each row's count of real tokens, with the cache compact
@@ -125,8 +124,7 @@ class SubstituteGroupQueryAttention:
                     if not mask_window:
                         empty = _no_tokens(graph, query, kv_heads * head)
                         marker = _call(graph, _GQA, query, empty, empty, present_key, present_value, attention_mask,
-                                       heads, kv_heads, core.scale, core.softcap, window, *caches,
-                                       past_prefix=context.profile.shared_kv_reads_prefix)
+                                       heads, kv_heads, core.scale, core.softcap, window, *caches)
                         output = _call(graph, operator.getitem, marker, 0)
                 if mask_window:
                     if caches:  # the window attention takes its queries rotated, by one ONNX Runtime kernel
