@@ -44,9 +44,9 @@ class EpProfile:
         (written to genai_config only when every layer's attention is GroupQueryAttention).
     omit_unread_presents: whether GroupQueryAttention nodes whose present key and value nobody
         reads (KV-shared layers) are written without those optional outputs, so the EP's kernel
-        reads the past in place. ONNX Runtime 1.32's CPU kernel otherwise zero-fills a present as
-        long as the past (max_length slots when the buffer is shared) and copies the past into it,
-        in every such layer at every step.
+        reads the past in place. ONNX Runtime 1.32's CPU kernel otherwise zero-fills presents as
+        long as the past (max_length slots when the buffer is shared) and copies each row's real
+        tokens into them, in every such layer at every step.
     graph_capture_option: the provider option that turns on graph capture (CUDA graphs, WebGPU's
         command recording), empty if the EP has none.
     graph_capture: whether packages for this profile capture the decoder's graph. A captured graph

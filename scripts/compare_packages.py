@@ -4,6 +4,7 @@ each), so a shared, noisy machine slows them alike.
 
     python scripts/compare_packages.py ours=out/llama-int4 builder=/tmp/builder-int4 --prompt-length 512
     python scripts/compare_packages.py ours=out/webgpu mobius=/tmp/mobius-webgpu --ep webgpu --max-length 4096
+    python scripts/compare_packages.py ours=out/webgpu mobius=/tmp/mobius-webgpu --ep webgpu --prompt-length 64 512
 
 ``--ep webgpu`` registers the WebGPU plugin with GenAI; each package then runs on the providers
 its own genai_config names (graph capture included), printed beside the table. ``--max-length``
@@ -33,7 +34,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("packages", nargs="+", metavar="[NAME=]PATH",
                         help="package folders (with genai_config.json), each optionally named NAME=PATH")
-    parser.add_argument("--prompt-length", type=int, default=512)
+    parser.add_argument("--prompt-length", type=int, nargs="+", default=[512], metavar="N",
+                        help="prompt length(s); one table each (a package's decode cost may grow with the context)")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ep", choices=("cpu", "webgpu"), default="cpu",
@@ -76,15 +78,16 @@ def main() -> None:
         from exporter.ep_runtime import register
 
         register(get_profile("webgpu"), genai=True)
-    results = alternating_generation(packages, args.prompt_length, args.decode_tokens, args.repeats,
-                                     search_max_length=args.max_length)
     for name, package in packages.items():
         print(f"{name}: {run_settings(package.settings)}")
     first = next(iter(packages))
     length = {None: "", 0: ", each package's own max_length"}.get(args.max_length, f", max_length {args.max_length}")
-    print_generation_table(f"ONNX Runtime GenAI, {args.ep} packages, {args.prompt_length}-token prompt, "
-                           f"{args.decode_tokens} decoded tokens{length} (median of {args.repeats}, alternating)",
-                           "package", packages, results, first, first)
+    for prompt_length in args.prompt_length:
+        results = alternating_generation(packages, prompt_length, args.decode_tokens, args.repeats,
+                                         search_max_length=args.max_length)
+        print_generation_table(f"ONNX Runtime GenAI, {args.ep} packages, {prompt_length}-token prompt, "
+                               f"{args.decode_tokens} decoded tokens{length} (median of {args.repeats}, alternating)",
+                               "package", packages, results, first, first)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
 """GroupQueryAttention without the present outputs nobody reads: a KV-shared layer (Gemma 4's last
 20 of 35) attends over its owner's cache and writes no cache of its own, yet the lowered node
 still names a present key and value. Asked for them, ONNX Runtime 1.32's CPU kernel zero-fills
-them (as long as the past: GenAI's buffer of max_length slots) and copies the past into them at
-every step; without them it reads the past where it lies. The outputs are optional in the
-contrib op's schema.
+them as long as the past (GenAI's shared buffer: max_length slots) and copies each row's real
+tokens into them at every step; without them it reads the past where it lies. The outputs are
+optional in the contrib op's schema.
 
-Measured on the CPU EP, one KV-shared decode call (one query, 8 heads, one KV head, a 576-slot
-past): 0.19 against 0.50 ms at head size 256, 0.54 against 0.83 ms at 512; with a 4096-slot past
-the call without presents still takes 0.23 ms. In a gemma-4-e2b-shape fp32 decode step (512-token
-past, one thread) its 35 GroupQueryAttention nodes take about 11 ms instead of 13-14.6 ms.
-Verified on ONNX Runtime 1.32's CPU kernel (``tests/exporter/test_omit_unread_presents.py``); a
-profile turns it on only for a kernel that was run so."""
+Measured on the CPU EP (one thread, as GenAI runs it on 2 cores; 512 real tokens, one query, 8
+heads, one KV head, medians of 200 interleaved calls), one KV-shared call with presents / with the
+past first cut to its real tokens by a Slice (this exporter's earlier form) / without presents:
+0.39 / 0.45 / 0.34 ms (head 256) and 0.62 / 0.72 / 0.53 ms (head 512) at 576 slots; 0.48 / 0.34 /
+0.23 and 1.51 / 0.99 / 0.59 ms at 4096. In a gemma-4-e2b-shape fp32 decode step (ONNX Runtime's
+profiler, 576 slots) its 20 KV-shared layers' attention took 6.2-6.7 ms against 9.1 ms with the
+Slice. Verified on ONNX Runtime 1.32's CPU kernel (``tests/exporter/test_omit_unread_presents.py``);
+a profile turns it on only for a kernel that was run so."""
 
 from __future__ import annotations
 

@@ -55,6 +55,16 @@ class OwnerAttention(torch.nn.Module):
             query, new, new, past_key, past_value, attention_mask, NUM_HEADS, KV_HEADS, 1.0, 0.0, -1)
 
 
+class ConsumedPresentAttention(torch.nn.Module):
+    """A KV-shared call whose present key another node reads (not a graph output itself)."""
+
+    def forward(self, query, past_key, past_value, attention_mask):
+        empty = query[:, :0, : KV_HEADS * HEAD]
+        output, present_key, _ = torch.ops.genai_exporter.group_query_attention(
+            query, empty, empty, past_key, past_value, attention_mask, NUM_HEADS, KV_HEADS, 1.0, 0.0, -1)
+        return output, present_key.sum(-1)
+
+
 # name: (local_window_size, queries rotated by the kernel)
 VARIANTS = {"plain": (-1, False), "window of 4, rotary": (4, True)}
 
@@ -135,8 +145,11 @@ def test_shared_layer_without_presents_reads_its_past(sessions, case, variant):
 
 
 @pytest.mark.l3
-def test_a_read_present_is_kept():
-    model = _lowered(OwnerAttention(), ["output", "present_key", "present_value"])
+@pytest.mark.parametrize("module, outputs", [(OwnerAttention(), ["output", "present_key", "present_value"]),
+                                             (ConsumedPresentAttention(), ["output", "key_sums"])],
+                         ids=["graph outputs", "read by a node"])
+def test_a_read_present_is_kept(module, outputs):
+    model = _lowered(module, outputs)
     assert OmitUnreadPresents()(model) == {"presents_omitted": 0}
     assert _attention_outputs(model) == [3]
 

@@ -107,6 +107,12 @@ def test_every_layer_is_group_query_attention(family_export):
     record = next(r for r in package.report.fx_passes if r["name"] == "substitute_group_query_attention")
     assert record["changes"]["substituted_layers"] == [i for i in range(layout.num_layers) if i not in plain_layers]
     assert sorted(int(i) for i in record["changes"]["plain_layers"]) == plain_layers
+    # cpu writes a KV-shared layer's GroupQueryAttention without the presents nobody reads; a cache
+    # owner keeps its own (graph outputs).
+    shared = len(layout.shared_layer_indices)
+    outputs = sorted(len(n.output) for n in graph.node if n.op_type == "GroupQueryAttention")
+    assert outputs == [1] * shared + [3] * (len(outputs) - shared)
+    assert package.report.onnx_pass_changes("omit_unread_presents") == ({"presents_omitted": shared} if shared else {})
     config = json.loads((package.path / "genai_config.json").read_text())
     # One KV buffer for past and present only where GroupQueryAttention writes every present.
     assert config["search"]["past_present_share_buffer"] is (not plain_layers)
