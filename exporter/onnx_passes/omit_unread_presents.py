@@ -23,6 +23,15 @@ def _unread(value: ir.Value) -> bool:
     return not value.uses() and not value.is_graph_output()
 
 
+def _is_attention(node: ir.Node | None) -> bool:
+    return node is not None and node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft"
+
+
+def _reads_another_layers_cache(node: ir.Node) -> bool:
+    """A KV-shared call: its past is another GroupQueryAttention's present, not a graph input."""
+    return _is_attention(node.inputs[3].producer() if len(node.inputs) > 3 and node.inputs[3] is not None else None)
+
+
 class OmitUnreadPresents:
     name = "omit_unread_presents"
 
@@ -36,8 +45,11 @@ class OmitUnreadPresents:
     def __call__(self, model: ir.Model, facts=None) -> dict[str, int]:
         omitted = 0
         for node in list(model.graph.all_nodes()):
-            if (node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft" or len(node.outputs) != 3
-                    or not all(_unread(present) for present in node.outputs[1:])):
+            if not _is_attention(node) or len(node.outputs) != 3:
+                continue
+            if not all(_unread(present) for present in node.outputs[1:]):
+                if _reads_another_layers_cache(node):  # nothing should read a KV-shared layer's own present
+                    raise RuntimeError(f"{self.name}: KV-shared GroupQueryAttention {node.name} has its present read")
                 continue
             output = node.outputs[0]
             replacement = ir.Node(node.domain, node.op_type, list(node.inputs),

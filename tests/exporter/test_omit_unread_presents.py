@@ -154,6 +154,26 @@ def test_a_read_present_is_kept(module, outputs):
     assert _attention_outputs(model) == [3]
 
 
+@pytest.mark.l3
+def test_a_kv_shared_call_whose_present_is_read_fails():
+    """Its past is an owner's present (a KV-shared call), and a node reads its own present: the
+    pass says so rather than leave it."""
+
+    class SharedAfterOwner(torch.nn.Module):
+        def forward(self, query, past_key, past_value, attention_mask):
+            new, empty = query[:, :, : KV_HEADS * HEAD], query[:, :0, : KV_HEADS * HEAD]
+            gqa = torch.ops.genai_exporter.group_query_attention
+            _, owner_key, owner_value = gqa(query, new, new, past_key, past_value, attention_mask, NUM_HEADS,
+                                            KV_HEADS, 1.0, 0.0, -1)
+            output, shared_key, _ = gqa(query, empty, empty, owner_key, owner_value, attention_mask, NUM_HEADS,
+                                        KV_HEADS, 1.0, 0.0, -1)
+            return output, owner_key, owner_value, shared_key.sum(-1)
+
+    model = _lowered(SharedAfterOwner(), ["output", "present_key", "present_value", "key_sums"])
+    with pytest.raises(RuntimeError, match="KV-shared GroupQueryAttention .* has its present read"):
+        OmitUnreadPresents()(model)
+
+
 @pytest.mark.l1
 def test_only_kv_shared_decoders_on_profiles_that_say_so_omit_presents():
     def facts(ep: str, shared_layers: int = 4, attention_op: bool = True):
