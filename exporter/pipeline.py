@@ -18,7 +18,7 @@ from typing import Any
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.profile import WINDOW_BY_MASK
 from ep_profiles.registry import UnknownProfileError
-from exporter import destination, graph_cache, package, postconditions, weights
+from exporter import destination, graph_cache, package, postconditions, translation_ready, weights
 from exporter.errors import ExporterBug, ExporterError, environment_error
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
@@ -39,6 +39,7 @@ from exporter.report import ExportReport, SessionReport, package_summary
 from exporter.sessions import SESSIONS
 from exporter.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
+from exporter.trace import REPLICATED_LAYERS
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.markers import FLOAT32_COUNT_LIMIT
@@ -303,9 +304,11 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
         with stages.stage(_stage("graph_cache", session, settings)):
             onnx_model = lowered.model()
     else:
-        lowered, onnx_model, decomposed_because = _lower_session(session, session_plan, prepared, settings, stages)
+        lowered, onnx_model, decomposed_because, copied_layers = _lower_session(
+            session, session_plan, prepared, settings, stages)
         session_report.lowering = (f"re-traced by torch.onnx to decompose it ({decomposed_because})"
                                    if decomposed_because else "without torch.onnx's decomposition re-trace")
+        session_report.tracing = _tracing_words(copied_layers, settings.layout.num_layers)
         if cached_graphs is not None:
             with stages.stage(_stage("graph_cache", session, settings)):
                 _write_to_cache(cached_graphs, session.name, lowered, report)
@@ -325,9 +328,12 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
 def _lower_session(session, session_plan, prepared, settings: ExportSettings, stages: StageLog):
     """Trace -> FX passes -> lower; the graph is serialized with its weights as placeholders and
     read back, so that the steps after it see the graph a cache would give. Also returns why
-    lowering had to re-trace, if it did."""
+    lowering had to re-trace, if it did, and how many decoder layers were copied rather than traced
+    (``exporter.layer_replicas``; None for a session without decoder layers), or why none were."""
     with stages.stage(_stage("trace", session, settings)):
         traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
+        copied_layers = traced.program.graph_module.meta.get(REPLICATED_LAYERS)
+        translation_ready.record_traced_values(traced.program)
     with stages.stage(_stage("fx_passes", session, settings)):
         program, fx_records = _run_fx_passes(traced.program, session_plan, settings, session)
         _with_plain_attention_layers(settings, session, fx_records)  # a captured export stops here, not after lowering
@@ -338,7 +344,18 @@ def _lower_session(session, session_plan, prepared, settings: ExportSettings, st
         del program, traced
         recipes = weights.detach(onnx_model, prepared.saved_shapes, names, real_weights=prepared.weights_in_model)
         lowered = graph_cache.LoweredSession.of(onnx_model, recipes, fx_records)
-        return lowered, lowered.model(), decomposed_because
+        return lowered, lowered.model(), decomposed_because, copied_layers
+
+
+def _tracing_words(copied_layers: int | str | None, layers: int) -> str:
+    if copied_layers is None:
+        return ""
+    if isinstance(copied_layers, str):
+        return f"every decoder layer traced: {copied_layers}"
+    if copied_layers == 0:
+        return "every decoder layer traced"
+    return (f"{layers - copied_layers} of {layers} decoder layers traced, the other {copied_layers} "
+            "copied from the traced layer of the same structure")
 
 
 def _graph_cache(folder: Path | None, turned_off: bool, prepared, settings: ExportSettings, plan: ExportPlan,

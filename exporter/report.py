@@ -51,6 +51,9 @@ class SessionReport:
     # How torch.onnx lowered the traced graph: with or without re-tracing it to decompose it
     # (empty where the graph came from the graph cache).
     lowering: str = ""
+    # How many decoder layers were traced and how many copied (``exporter.layer_replicas``);
+    # empty for other sessions and where the graph came from the graph cache.
+    tracing: str = ""
 
     def describe_graph(self, model: ir.Model) -> None:
         self.op_counts = op_counts(model)
@@ -179,6 +182,7 @@ def package_summary(path: Path, report: ExportReport) -> dict[str, Any]:
                 "fx_passes": [p["name"] for p in session.fx_passes],
                 "onnx_passes": [p["name"] for p in session.onnx_passes],
                 "lowering": session.lowering,  # empty for a graph-cache hit or a replay
+                "tracing": session.tracing,  # likewise, and for sessions without decoder layers
             }
             for name, session in report.sessions.items()
         },
@@ -200,6 +204,8 @@ def describe_graph_cache(cache: dict[str, Any]) -> str:
 def _session_markdown(name: str, session: SessionReport) -> list[str]:
     mib = 1024 * 1024
     lines = ["", f"## Session {name} ({session.filename})", ""]
+    if session.tracing:
+        lines += [f"Traced: {session.tracing}.", ""]
     if session.lowering:
         lines += [f"Lowered {session.lowering}.", ""]
     lines += ["### FX passes", "", "| pass | changes | seconds |", "|---|---|---:|"]

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache, PreTrainedModel, masking_utils
 from transformers.cache_utils import DynamicLayer
 
+from exporter import layer_replicas
 from exporter.experts import traceable_experts
 from exporter.layout import DecoderLayout, eval_mode
 
@@ -68,8 +69,13 @@ class GenAIDecoder(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, past_key_values):
         return self._decode(attention_mask, position_ids, past_key_values, input_ids=input_ids)
 
+    def cache_entry(self, layer_index: int) -> DynamicLayer | None:
+        """The running call's cache entry of a layer (None for a layer that owns none)."""
+        layers = self._cache.layers
+        return layers[layer_index] if layer_index < len(layers) and layers[layer_index].is_initialized else None
+
     def _decode(self, attention_mask, position_ids, past_key_values, **model_inputs):
-        cache = DynamicCache()
+        cache = self._cache = DynamicCache()
         for slot, layer_index in enumerate(self.kv_layer_indices):
             while len(cache.layers) <= layer_index:
                 cache.layers.append(DynamicLayer())
@@ -216,8 +222,30 @@ def trace(model: PreTrainedModel, layout: DecoderLayout, embeds: bool = False) -
         wrapper = GenAIEmbedsDecoder(model, layout)
     with (torch.no_grad(), eval_mode(model), ordered_string_sets(model), traceable_experts(model),
           _without_stack_traces(), NoopsUntraced()):
-        program = torch.export.export(wrapper, sample, dynamic_shapes=dynamic_shapes, strict=False)
+        program, replicated = _export_with_replicas(wrapper, sample, dynamic_shapes)
+    program.graph_module.meta[REPLICATED_LAYERS] = replicated
     return program, sample
+
+
+REPLICATED_LAYERS = "exporter.replicated_layers"  # program meta: how many layers were copied, or why none
+
+
+def _export_with_replicas(wrapper: GenAIDecoder, sample: tuple, dynamic_shapes) -> tuple[ExportedProgram, int | str]:
+    """Trace with each repeated decoder layer a stand-in, filled in by copying (``layer_replicas``);
+    where that cannot be done, trace every layer. Also returns how many layers were copied, or why
+    none were."""
+    try:
+        with layer_replicas.stand_ins(wrapper, wrapper.cache_entry) as replicas:
+            program = torch.export.export(wrapper, sample, dynamic_shapes=dynamic_shapes, strict=False)
+        if replicas is None:
+            return program, 0
+        reason = layer_replicas.expand(program, replicas)
+    except layer_replicas.NotReplicable as error:
+        reason = str(error)
+    if reason is None:
+        return program, replicas.stand_ins
+    program = torch.export.export(wrapper, sample, dynamic_shapes=dynamic_shapes, strict=False)
+    return program, reason
 
 
 class NoopsUntraced(TorchFunctionMode):

@@ -262,3 +262,40 @@ def test_a_value_that_cannot_be_recomputed_leaves_every_value_as_it_was():
     assert reason == "_raises_without_real_values's value could not be recomputed (RuntimeError)"
     assert all(n.meta.get("val") is values[n] for n in graph.nodes)
     assert "val" not in unvalued.meta
+
+
+
+class _ScaledPlusOne(torch.nn.Module):
+    def forward(self, a, b):
+        return a * 2 + 1, b - 1
+
+
+def _fed_a_slice(end: int):
+    """The traced ``_ScaledPlusOne`` with its values recorded, then ``a * 2`` fed ``a[:end]``."""
+    program = _exported(_ScaledPlusOne(), torch.randn(2, 3), torch.randn(2, 3))
+    translation_ready.record_traced_values(program)
+    graph = program.graph
+    scaled, plus_one, minus_one = [n for n in graph.nodes if n.op == "call_function"]
+    values = {n: n.meta["val"] for n in (scaled, plus_one, minus_one)}
+    with graph.inserting_before(scaled):
+        part = graph.call_function(torch.ops.aten.slice.Tensor, (scaled.args[0], 0, 0, end))
+    scaled.args = (part, *scaled.args[1:])
+    assert translation_ready.refresh_fake_values(program.graph_module) is None
+    return (scaled, plus_one, minus_one), values
+
+
+@pytest.mark.l1
+def test_values_are_recomputed_where_a_pass_changed_the_graph_and_downstream():
+    """A pass feeds ``a * 2`` the first row of ``a`` only: its value and its user's become one row;
+    ``b - 1``, untouched, keeps its value object."""
+    (scaled, plus_one, minus_one), values = _fed_a_slice(1)
+    assert tuple(scaled.meta["val"].shape) == tuple(plus_one.meta["val"].shape) == (1, 3)
+    assert minus_one.meta["val"] is values[minus_one]
+
+
+@pytest.mark.l1
+def test_a_recomputed_value_like_the_old_one_keeps_it_and_its_users_do_not_run():
+    """Fed all of ``a`` through a slice, ``a * 2`` is recomputed to the same shape: it keeps its
+    value object, so ``+ 1`` is not recomputed either."""
+    nodes, values = _fed_a_slice(2)
+    assert all(node.meta["val"] is values[node] for node in nodes)
