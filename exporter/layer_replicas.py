@@ -202,6 +202,8 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
     first = replicas.first_of[index]
 
     def traced_first(*args, **kwargs):
+        if index in replicas.traced:
+            raise NotReplicable(f"layer {index} runs twice")
         record = _Traced()
         leaves, record.arguments = pytree.tree_flatten((args, kwargs))
         position = 0
@@ -242,6 +244,8 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
         return result
 
     def stand_in(*args, **kwargs):
+        if first not in replicas.traced:
+            raise NotReplicable(f"layer {index} runs before layer {first}")
         record = replicas.traced[first]
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != record.arguments:

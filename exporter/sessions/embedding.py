@@ -4,7 +4,8 @@ sessions' features, -> ``inputs_embeds`` and the per-layer token embeddings the 
 The features are scattered at the image and audio placeholder tokens, and those tokens look up the
 pad token's embeddings, as transformers' ``Gemma4Model.forward`` does; every step calls
 transformers' own modules. On text-only and decode steps ONNX Runtime GenAI feeds both feature
-inputs with 0 rows.
+inputs with 0 rows; a placeholder token in such a step (the model generated it) keeps the pad
+embedding, as in transformers without pixel values or audio.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ class GenAIEmbedding(torch.nn.Module):
         inputs_embeds = inner.get_input_embeddings()(text_ids)
         per_layer_inputs = inner.language_model.get_per_layer_inputs(text_ids, None).flatten(2)
         for mask, features in ((image_mask, image_features), (audio_mask, audio_features)):
-            inputs_embeds = inputs_embeds.masked_scatter(mask.unsqueeze(-1).expand_as(inputs_embeds),
+            # transformers scatters features only into a step that has them: a placeholder token
+            # in a step with 0 feature rows (one the model generated) keeps the pad embedding.
+            # Counted on the device, so that no size guard specialises the 0 rows away.
+            has_features = features.new_ones(features.shape[:1], dtype=torch.int64).sum() > 0
+            inputs_embeds = inputs_embeds.masked_scatter((mask & has_features).unsqueeze(-1).expand_as(inputs_embeds),
                                                          features.to(inputs_embeds.dtype))
         return inputs_embeds, per_layer_inputs
 

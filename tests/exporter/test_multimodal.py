@@ -275,6 +275,31 @@ def test_the_image_changes_the_logits(package, media):
     assert np.abs(first - second).max() > 100 * LOGITS_TOLERANCE
 
 
+@pytest.mark.l3
+def test_a_placeholder_token_without_features_keeps_the_pad_embedding(package, reference):
+    """A decode step whose token is an image or audio placeholder (the model generated it) comes
+    with 0 feature rows: the embedding session gives the pad token's embeddings there, as
+    transformers does without pixel values or audio (it used to fail in ScatterND)."""
+    import onnxruntime as ort
+
+    config = reference.config
+    session = ort.InferenceSession(str(package.path / "embedding" / "model.onnx"), providers=["CPUExecutionProvider"])
+    hidden = config.text_config.hidden_size
+    no_rows = np.zeros((0, hidden), dtype=np.float32)
+    image, audio, pad = config.image_token_id, config.audio_token_id, config.text_config.pad_token_id
+    ids = np.array([[image, 42, audio]], dtype=np.int64)
+    embeds, per_layer = session.run(None, {"input_ids": ids, "image_features": no_rows, "audio_features": no_rows})
+    with torch.no_grad():
+        want = reference.model(input_ids=torch.from_numpy(ids), inputs_embeds=None, attention_mask=None,
+                               use_cache=False, output_hidden_states=True)
+    padded = np.array([[pad, 42, pad]], dtype=np.int64)
+    pad_embeds, pad_per_layer = session.run(None, {"input_ids": padded, "image_features": no_rows,
+                                                   "audio_features": no_rows})
+    np.testing.assert_array_equal(embeds, pad_embeds)
+    np.testing.assert_array_equal(per_layer, pad_per_layer)
+    np.testing.assert_allclose(embeds, want.hidden_states[0].numpy(), rtol=0, atol=1e-6)
+
+
 @pytest.mark.l4
 def test_check_passes_and_catches_a_missing_per_layer_mapping(package, tmp_path):
     findings = {f.check: f for f in check_package(package.path, get_profile("cpu"))}
