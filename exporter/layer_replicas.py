@@ -4,8 +4,9 @@ torch.export traces, and is then filled in with a copy of that earlier layer's t
 Tracing runs every op of every layer through torch.export's fake tensors and symbolic shapes
 (about 70% of a 35-layer Gemma 4 trace); copying a layer's nodes costs a small fraction of that.
 
-- **Same structure**: the same class, parameter names, shapes and dtypes, and every plain
-  attribute of the layer and its submodules (``layer_idx`` aside), so the same code path.
+- **Same structure**: the same classes, weight names, shapes and dtypes, and every attribute of
+  the layer and its submodules (``layer_idx`` aside): numbers and strings by value, anything else
+  (the config, an instance ``forward``) by identity, so the same code path.
 - **The first layer of a structure** is traced as it is, its inputs and outputs passed through
   boundary ops: every tensor of its arguments, its own cache entry's keys and values, what it
   returns and what it writes to its cache entry.
@@ -18,22 +19,26 @@ Tracing runs every op of every layer through torch.export's fake tensors and sym
   KV-shared layer, the owner's keys and values, which every later layer of that structure reads
   too).
 
-Only layer classes whose replicated graph was checked against a full trace are replicated
-(``REPLICATED_CLASSES``): a layer whose forward branched on ``layer_idx`` itself, or read a
-layer-specific value through an attribute, would copy wrongly, and no check of the traced graph can
-see that. Every layer is traced instead where a layer or its modules have forward hooks (one on a stand-in
-would never run, one on a first layer would be copied), where a later layer's call or cache differs
-from its first layer's, and where ``expand`` finds the first layer's nodes read outside it other
-than through its output boundaries (a value it wrote to a dict argument another layer reads) or
-reading a graph input other than through its input boundaries (a lifted constant, which only the
-traced layer's program holds).
+Only transformers' own layer classes whose replicated graph the tests compare with a full trace are
+replicated (``REPLICATED_CLASSES``): a layer whose forward branched on ``layer_idx`` itself would
+copy wrongly, and no check of the traced graph can see that. Every layer is traced instead where a
+layer or its modules have forward hooks (one on a stand-in would never run, one on a first layer
+would be copied); where another thread traces the same model; where a first layer is called with a
+list or dict argument (a write into it would be lost); where a later layer's call, sizes or cache
+entry differ from its first layer's; and where ``expand`` finds the first layer's nodes read
+outside it other than through its output boundaries (a value it wrote into an object another layer
+reads) or reading a graph input other than through its input boundaries (a lifted constant, which
+only the traced layer's program holds). The trace's program meta says how many layers were
+copied, or why none were.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,7 +70,7 @@ def layer_boundary(value: torch.Tensor, layer: int, position: int, output: bool)
 
 @layer_boundary.register_fake
 def _(value, layer, position, output):
-    return torch.empty_like(value)
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
 
 @torch.library.custom_op("genai_exporter::layer_stand_in", mutates_args=())
@@ -106,21 +111,42 @@ class Replicas:
 
 
 @contextlib.contextmanager
-def stand_ins(wrapper: torch.nn.Module, cache_of) -> Iterator[Replicas | None]:
+def stand_ins(wrapper: torch.nn.Module, cache_of) -> Iterator[Replicas | str | None]:
     """While tracing ``wrapper``, every decoder layer built like an earlier one is a stand-in.
     ``cache_of(layer_index)``: the trace's cache entry of a layer (an object with ``keys`` and
-    ``values``), or None. Yields None where no layer repeats a replicated class."""
+    ``values``), or None. Yields None where no layer repeats a replicated class, and why not where
+    one does but no layer can stand in."""
     found = _decoder_layers(wrapper)
     if found is None:
         yield None
         return
     layers_path, layers = found
     if _hooked(layers):
-        yield None
+        yield "a decoder layer or one of its modules has a forward hook"
         return
+    with _PATCHING:
+        busy = id(layers) in _PATCHED_LAYERS
+        _PATCHED_LAYERS.add(id(layers))
+    if busy:
+        yield "another thread is tracing the same model"
+        return
+    try:
+        with _stand_ins(wrapper, layers_path, layers, cache_of) as replicas:
+            yield replicas
+    finally:
+        with _PATCHING:
+            _PATCHED_LAYERS.discard(id(layers))
+
+
+_PATCHING = threading.Lock()
+_PATCHED_LAYERS: set[int] = set()  # the layer lists a trace has stand-ins in
+
+
+@contextlib.contextmanager
+def _stand_ins(wrapper, layers_path: str, layers: torch.nn.ModuleList, cache_of) -> Iterator[Replicas | None]:
     first_of, firsts = {}, {}
     for index, layer in enumerate(layers):
-        if type(layer).__name__ not in REPLICATED_CLASSES:
+        if not _replicated_class(type(layer)):
             first_of[index] = index
             continue
         first_of[index] = firsts.setdefault(_structure(layer), index)
@@ -145,6 +171,11 @@ def stand_ins(wrapper: torch.nn.Module, cache_of) -> Iterator[Replicas | None]:
             del _TEMPLATES[key]
 
 
+def _holds_mutable_container(spec) -> bool:
+    """Whether an argument's pytree holds a list or dict."""
+    return spec.type in (list, dict) or any(_holds_mutable_container(child) for child in spec.children())
+
+
 def _hooked(layers: torch.nn.ModuleList) -> bool:
     """Whether a hook may change what a layer computes: one on a stand-in's modules would never
     run, and one on a first layer's would be copied to the others."""
@@ -165,37 +196,39 @@ def _decoder_layers(wrapper: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]
     return best
 
 
+def _replicated_class(cls: type) -> bool:
+    """One of transformers' own classes the tests compare (a remote-code class of the same name
+    is not)."""
+    return cls.__name__ in REPLICATED_CLASSES and cls.__module__.startswith("transformers.models.")
+
+
 def _structure(layer: torch.nn.Module) -> tuple:
-    """What two layers must share to be traced as one: classes, plain attributes and weights."""
+    """What two layers must share to be traced as one: their modules' classes, their attributes
+    (plain values by value, anything else, such as the config or an instance ``forward``, by
+    identity) and their weights' names, shapes and dtypes."""
     modules = []
     for path, module in layer.named_modules():
         attributes = tuple(sorted(
             (name, _plain(value)) for name, value in vars(module).items()
-            if not name.startswith("_") and name not in _INDEX_ATTRIBUTES and _plain(value) is not _OPAQUE))
-        opaque = tuple(sorted(name for name, value in vars(module).items()
-                              if not name.startswith("_") and name not in _INDEX_ATTRIBUTES
-                              and _plain(value) is _OPAQUE and not isinstance(value, torch.nn.Module)))
-        modules.append((path, type(module).__qualname__, type(module).__module__, attributes, opaque))
+            if not name.startswith("_") and name not in _INDEX_ATTRIBUTES and not isinstance(value, torch.nn.Module)))
+        modules.append((path, type(module).__qualname__, type(module).__module__, attributes))
     weights = tuple((name, tuple(t.shape), t.dtype) for name, t in
                     [*layer.named_parameters(), *layer.named_buffers()])
     return tuple(modules), weights
 
 
-_OPAQUE = object()
-
-
 def _plain(value):
-    """A plain attribute's value (numbers, strings, and tuples, lists and dicts of them), or
-    ``_OPAQUE``; a config object is compared by its dict."""
+    """An attribute as the structure compares it: numbers, strings and None by value, tuples,
+    lists, dicts and ``functools.partial`` item by item, anything else by identity."""
     if isinstance(value, _PLAIN):
-        return value
+        return type(value).__name__, value
     if isinstance(value, (tuple, list)):
-        items = tuple(_plain(v) for v in value)
-        return _OPAQUE if _OPAQUE in items else (type(value).__name__, items)
+        return type(value).__name__, tuple(_plain(v) for v in value)
     if isinstance(value, dict):
-        items = tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
-        return _OPAQUE if any(v is _OPAQUE for _, v in items) else ("dict", items)
-    return _OPAQUE
+        return "dict", tuple(sorted((repr(k), _plain(v)) for k, v in value.items()))
+    if isinstance(value, functools.partial):  # transformers' activations hold one each
+        return "partial", id(value.func), _plain(value.args), _plain(value.keywords)
+    return "object", id(value)
 
 
 def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
@@ -206,6 +239,10 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
             raise NotReplicable(f"layer {index} runs twice")
         record = _Traced()
         leaves, record.arguments = pytree.tree_flatten((args, kwargs))
+        if any(_holds_mutable_container(argument) for call_level in record.arguments.children()
+               for argument in call_level.children()):
+            # its tensors are passed on in a rebuilt container, where a write would be lost
+            raise NotReplicable(f"layer {index} is called with a list or dict argument")
         position = 0
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -268,7 +305,10 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
                 # this layer's. A full trace relates most of them to other sizes too (a past key's
                 # length to the mask's), but not all: a past value's length then shares the first
                 # layer's symbol where a full trace gives it its own.
-                torch._check(own == other)
+                try:
+                    torch._check(own == other)
+                except RuntimeError as error:  # sizes that differ: this layer is not like the first
+                    raise NotReplicable(f"layer {index} reads other sizes than layer {first}") from error
         outputs = list(layer_stand_in(inputs, replicas.trace_id, first, index))
         taken = len(pytree.tree_flatten(record.result)[0])
         result = pytree.tree_unflatten(outputs[:taken], record.result)
@@ -289,9 +329,8 @@ class NotReplicable(Exception):
 
 def expand(program: ExportedProgram, replicas: Replicas) -> str | None:
     """Replace every stand-in with a copy of its first layer's nodes, and erase the boundaries.
-    Returns why not where a first layer's nodes cannot be copied safely (nothing changed), or
-    raises ``NotReplicable`` where a later layer lacks a weight of its own (the program is then
-    partly rewritten: trace again)."""
+    Returns why not, or raises ``NotReplicable``, where a first layer's nodes cannot stand for a
+    later layer's; the program may then be partly rewritten: trace again."""
     graph = program.graph
     signature = program.graph_signature
     placeholder_of = {target: name for name, target in

@@ -237,8 +237,8 @@ def _export_with_replicas(wrapper: GenAIDecoder, sample: tuple, dynamic_shapes) 
     try:
         with layer_replicas.stand_ins(wrapper, wrapper.cache_entry) as replicas:
             program = torch.export.export(wrapper, sample, dynamic_shapes=dynamic_shapes, strict=False)
-        if replicas is None:
-            return program, 0
+        if replicas is None or isinstance(replicas, str):  # nothing to copy, or why not: traced whole
+            return program, replicas or 0
         reason = layer_replicas.expand(program, replicas)
     except layer_replicas.NotReplicable as error:
         reason = str(error)

@@ -140,13 +140,27 @@ def _computed_from(node: Node) -> tuple:
 
 
 def _same_inputs(recorded: tuple, now: tuple) -> bool:
-    """Same op and arguments (nodes compare by identity), and each input's value the same object."""
-    try:
-        same_call = recorded[0] is now[0] and recorded[1] == now[1] and recorded[2] == now[2]
-    except Exception:  # an argument that does not compare as a plain value
+    """Same op and arguments, and each input's value the same object."""
+    return (recorded[0] is now[0] and _same_argument(recorded[1], now[1]) and _same_argument(recorded[2], now[2])
+            and len(recorded[3]) == len(now[3]) and all(old is new for old, new in zip(recorded[3], now[3], strict=True)))
+
+
+def _same_argument(old, new) -> bool:
+    """Nodes by identity; sequences and dicts item by item; anything else by type and value (``2``
+    is not ``2.0``: the op would give another dtype)."""
+    if isinstance(old, Node) or isinstance(new, Node):
+        return old is new
+    if isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)):
+        return type(old) is type(new) and len(old) == len(new) and all(
+            _same_argument(a, b) for a, b in zip(old, new, strict=True))
+    if isinstance(old, dict) and isinstance(new, dict):
+        return old.keys() == new.keys() and all(_same_argument(old[key], new[key]) for key in old)
+    if type(old) is not type(new):
         return False
-    return same_call and len(recorded[3]) == len(now[3]) and all(
-        old is new for old, new in zip(recorded[3], now[3], strict=True))
+    try:
+        return old is new or bool(old == new)
+    except Exception:  # a value that does not compare as a plain one
+        return False
 
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)

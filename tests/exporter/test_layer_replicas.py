@@ -40,9 +40,10 @@ CASES = [
 
 
 def _graph(path) -> tuple:
-    """``_canonical``, with size symbols torch.export named freely (``s42``) all one name, and
-    weights folded from a node (Gemma 2's ``1 + weight`` norm scales), which carry the node's
-    generated name (``add_9``), numbered by first use."""
+    """``_canonical``, with the past values' size symbols (``s42``: a copied layer shares its traced
+    layer's, where a full trace gives each its own) all one name, and weights folded from a node
+    (Gemma 2's ``1 + weight`` norm scales), which carry the node's generated name (``add_9``),
+    numbered by first use."""
     nodes, outputs, io = _canonical(path)
     folded: dict[str, str] = {}
 
@@ -52,7 +53,8 @@ def _graph(path) -> tuple:
         return item
 
     nodes = [(domain, op, tuple(named(i) for i in inputs), attributes) for domain, op, inputs, attributes in nodes]
-    return nodes, outputs, [(name, re.sub(r'dim_param: "s\d+"', 'dim_param: "free"', kind)) for name, kind in io]
+    return nodes, outputs, [(name, re.sub(r'dim_param: "s\d+"', 'dim_param: "free"', kind)
+                             if re.fullmatch(r"past_key_values\.\d+\.value", name) else kind) for name, kind in io]
 
 
 def _checkpoint_folder(name: str, preset_exports, tmp_path: Path) -> Path:
@@ -111,6 +113,7 @@ def test_the_copied_program_computes_what_the_model_does(padding, preset_exports
     layout = derive_layout(model)
     program, _ = trace(model, layout)
     assert program.graph_module.meta[REPLICATED_LAYERS] == 5
+    assert not any("forward" in vars(layer) for layer in model.model.layers)  # each its class's again
     got, want = _outputs(program, model, layout, **padding)
     assert len(got) == len(want) == 1 + 2 * len(layout.kv_layers)
     for index, (mine, theirs) in enumerate(zip(got, want, strict=True)):
@@ -127,7 +130,7 @@ def test_a_hooked_layer_is_traced_with_its_hook(preset_exports):
     handle = model.model.layers[2].register_forward_hook(lambda module, args, output: output + 0.5)
     try:
         program, _ = trace(model, layout)
-        assert program.graph_module.meta[REPLICATED_LAYERS] == 0
+        assert program.graph_module.meta[REPLICATED_LAYERS] == "a decoder layer or one of its modules has a forward hook"
         got, want = _outputs(program, model, layout)
     finally:
         handle.remove()
@@ -164,3 +167,14 @@ def test_a_layer_unsafe_to_copy_is_traced(name, layer_class, reason, preset_expo
 def test_a_stand_in_never_runs_outside_a_trace():
     with pytest.raises(RuntimeError, match="only exists while tracing"):
         layer_replicas.layer_stand_in([torch.zeros(1)], 0, 0, 1)
+
+
+@pytest.mark.l1
+def test_only_transformers_own_classes_are_copied():
+    """A remote-code class named like a replicated one was never compared with a full trace."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    remote = type("LlamaDecoderLayer", (torch.nn.Module,), {"__module__": "transformers_modules.someone.model"})
+    assert layer_replicas._replicated_class(LlamaDecoderLayer)
+    assert not layer_replicas._replicated_class(remote)
+

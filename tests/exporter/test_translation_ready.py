@@ -265,37 +265,65 @@ def test_a_value_that_cannot_be_recomputed_leaves_every_value_as_it_was():
 
 
 
+
 class _ScaledPlusOne(torch.nn.Module):
     def forward(self, a, b):
         return a * 2 + 1, b - 1
 
 
-def _fed_a_slice(end: int):
-    """The traced ``_ScaledPlusOne`` with its values recorded, then ``a * 2`` fed ``a[:end]``."""
+def _refreshed(change, monkeypatch) -> tuple[list, dict, list]:
+    """The traced ``_ScaledPlusOne`` with its values recorded, ``change(graph, a * 2)`` applied,
+    then refreshed: its three call nodes, their values before, and the nodes recomputed."""
     program = _exported(_ScaledPlusOne(), torch.randn(2, 3), torch.randn(2, 3))
     translation_ready.record_traced_values(program)
     graph = program.graph
-    scaled, plus_one, minus_one = [n for n in graph.nodes if n.op == "call_function"]
-    values = {n: n.meta["val"] for n in (scaled, plus_one, minus_one)}
-    with graph.inserting_before(scaled):
-        part = graph.call_function(torch.ops.aten.slice.Tensor, (scaled.args[0], 0, 0, end))
-    scaled.args = (part, *scaled.args[1:])
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    values = {n: n.meta["val"] for n in nodes}
+    change(graph, nodes[0])
+    recomputed = []
+    fake_value = translation_ready.fake_value
+    monkeypatch.setattr(translation_ready, "fake_value",
+                        lambda node, *args, **kwargs: recomputed.append(node) or fake_value(node, *args, **kwargs))
     assert translation_ready.refresh_fake_values(program.graph_module) is None
-    return (scaled, plus_one, minus_one), values
+    return nodes, values, recomputed
+
+
+def _fed_a_slice(end: int):
+    def change(graph, scaled):
+        with graph.inserting_before(scaled):
+            part = graph.call_function(torch.ops.aten.slice.Tensor, (scaled.args[0], 0, 0, end))
+        scaled.args = (part, *scaled.args[1:])
+    return change
 
 
 @pytest.mark.l1
-def test_values_are_recomputed_where_a_pass_changed_the_graph_and_downstream():
-    """A pass feeds ``a * 2`` the first row of ``a`` only: its value and its user's become one row;
-    ``b - 1``, untouched, keeps its value object."""
-    (scaled, plus_one, minus_one), values = _fed_a_slice(1)
+def test_values_are_recomputed_where_a_pass_changed_the_graph_and_downstream_only(monkeypatch):
+    """A pass feeds ``a * 2`` the first row of ``a`` only: the new slice, ``a * 2`` and its user
+    are recomputed to one row; ``b - 1`` is not recomputed and keeps its value."""
+    (scaled, plus_one, minus_one), values, recomputed = _refreshed(_fed_a_slice(1), monkeypatch)
+    assert [n.target for n in recomputed] == [torch.ops.aten.slice.Tensor, scaled.target, plus_one.target]
     assert tuple(scaled.meta["val"].shape) == tuple(plus_one.meta["val"].shape) == (1, 3)
     assert minus_one.meta["val"] is values[minus_one]
 
 
 @pytest.mark.l1
-def test_a_recomputed_value_like_the_old_one_keeps_it_and_its_users_do_not_run():
+def test_a_recomputed_value_like_the_old_one_keeps_it_and_its_users_do_not_run(monkeypatch):
     """Fed all of ``a`` through a slice, ``a * 2`` is recomputed to the same shape: it keeps its
-    value object, so ``+ 1`` is not recomputed either."""
-    nodes, values = _fed_a_slice(2)
+    value object, so ``+ 1`` is not recomputed."""
+    nodes, values, recomputed = _refreshed(_fed_a_slice(2), monkeypatch)
+    assert [n.target for n in recomputed] == [torch.ops.aten.slice.Tensor, nodes[0].target]
     assert all(node.meta["val"] is values[node] for node in nodes)
+
+
+@pytest.mark.l1
+def test_an_argument_of_another_type_is_a_change(monkeypatch):
+    """``a * 2`` made ``a * 2.0`` (equal numbers, another result dtype for an integer ``a``) is
+    recomputed."""
+    program_inputs = (torch.ones(2, 3, dtype=torch.int64), torch.randn(2, 3))
+    program = _exported(_ScaledPlusOne(), *program_inputs)
+    translation_ready.record_traced_values(program)
+    scaled = next(n for n in program.graph.nodes if n.op == "call_function")
+    assert scaled.meta["val"].dtype == torch.int64
+    scaled.args = (scaled.args[0], 2.0)
+    assert translation_ready.refresh_fake_values(program.graph_module) is None
+    assert scaled.meta["val"].dtype == torch.float32
