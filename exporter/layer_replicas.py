@@ -23,13 +23,13 @@ Only transformers' own layer classes whose replicated graph the tests compare wi
 replicated (``REPLICATED_CLASSES``): a layer whose forward branched on ``layer_idx`` itself would
 copy wrongly, and no check of the traced graph can see that. Every layer is traced instead where a
 layer or its modules have forward hooks (one on a stand-in would never run, one on a first layer
-would be copied); where another thread traces the same model; where a first layer is called with a
-list or dict argument (a write into it would be lost); where a later layer's call, sizes or cache
-entry differ from its first layer's; and where ``expand`` finds the first layer's nodes read
-outside it other than through its output boundaries (a value it wrote into an object another layer
-reads) or reading a graph input other than through its input boundaries (a lifted constant, which
-only the traced layer's program holds). The trace's program meta says how many layers were
-copied, or why none were.
+would be copied); where another thread traces the same model (there its layers run their own
+forward); where a first layer is called with a container other than a tuple (a write into it
+would be lost); where a later layer's call, sizes or cache entry differ from its first layer's;
+and where ``expand`` finds the first layer's nodes read outside it other than through its output
+boundaries (a value it wrote into an object another layer reads) or reading a graph input other
+than through its input boundaries (a lifted constant, which only the traced layer's program
+holds). The trace's program meta says how many layers were copied, or why none were.
 """
 
 from __future__ import annotations
@@ -172,8 +172,11 @@ def _stand_ins(wrapper, layers_path: str, layers: torch.nn.ModuleList, cache_of)
 
 
 def _holds_mutable_container(spec) -> bool:
-    """Whether an argument's pytree holds a list or dict."""
-    return spec.type in (list, dict) or any(_holds_mutable_container(child) for child in spec.children())
+    """Whether an argument's pytree holds a container other than a tuple (a list, a dict, a
+    ``ModelOutput``, a dataclass), which pytree would rebuild."""
+    if spec.type is not None and not issubclass(spec.type, tuple):
+        return True
+    return any(_holds_mutable_container(child) for child in spec.children())
 
 
 def _hooked(layers: torch.nn.ModuleList) -> bool:
@@ -233,8 +236,11 @@ def _plain(value):
 
 def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
     first = replicas.first_of[index]
+    tracing_thread = threading.get_ident()
 
     def traced_first(*args, **kwargs):
+        if threading.get_ident() != tracing_thread:  # another thread's trace of the same model
+            return forward(*args, **kwargs)
         if index in replicas.traced:
             raise NotReplicable(f"layer {index} runs twice")
         record = _Traced()
@@ -242,7 +248,7 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
         if any(_holds_mutable_container(argument) for call_level in record.arguments.children()
                for argument in call_level.children()):
             # its tensors are passed on in a rebuilt container, where a write would be lost
-            raise NotReplicable(f"layer {index} is called with a list or dict argument")
+            raise NotReplicable(f"layer {index} is called with a list, dict or other mutable container")
         position = 0
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -281,6 +287,8 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
         return result
 
     def stand_in(*args, **kwargs):
+        if threading.get_ident() != tracing_thread:
+            return forward(*args, **kwargs)
         if first not in replicas.traced:
             raise NotReplicable(f"layer {index} runs before layer {first}")
         record = replicas.traced[first]

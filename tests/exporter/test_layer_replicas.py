@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,26 @@ def test_only_transformers_own_classes_are_copied():
     assert layer_replicas._replicated_class(LlamaDecoderLayer)
     assert not layer_replicas._replicated_class(remote)
 
+
+
+@pytest.mark.l2
+@pytest.mark.xdist_group("tiny-llama")
+def test_a_second_thread_tracing_the_same_model_traces_every_layer(preset_exports):
+    """While one trace has stand-ins in a model's layers, another thread's trace of that model
+    runs the layers' own forwards (and says why it copied none), leaving the first trace's records
+    alone."""
+    model = preset_exports.checkpoint("tiny-llama").model
+    layout = derive_layout(model)
+    wrapper = GenAIDecoder(model, layout)
+    results = {}
+    with layer_replicas.stand_ins(wrapper, wrapper.cache_entry) as replicas:
+        assert isinstance(replicas, layer_replicas.Replicas)
+        thread = threading.Thread(target=lambda: results.update(program=trace(model, layout)[0]))
+        thread.start()
+        thread.join()
+        assert replicas.traced == {}
+    program = results["program"]
+    assert program.graph_module.meta[REPLICATED_LAYERS] == "another thread is tracing the same model"
+    got, want = _outputs(program, model, layout)
+    for mine, theirs in zip(got, want, strict=True):
+        assert torch.equal(mine, theirs)
