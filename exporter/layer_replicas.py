@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import re
 import threading
 from collections.abc import Iterator
@@ -63,13 +64,13 @@ _TEMPLATES: dict[tuple[int, int], list[torch.Tensor]] = {}  # (trace id, first l
 
 
 @torch.library.custom_op("genai_exporter::layer_boundary", mutates_args=())
-def layer_boundary(value: torch.Tensor, layer: int, position: int, output: bool) -> torch.Tensor:
+def layer_boundary(value: torch.Tensor, position: int, output: bool) -> torch.Tensor:
     """Marks a traced layer's input or output; ``expand`` erases it."""
     return value.clone()
 
 
 @layer_boundary.register_fake
-def _(value, layer, position, output):
+def _(value, position, output):
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
 
@@ -121,18 +122,22 @@ def stand_ins(wrapper: torch.nn.Module, cache_of) -> Iterator[Replicas | str | N
         yield None
         return
     layers_path, layers = found
-    if _hooked(layers):
-        yield "a decoder layer or one of its modules has a forward hook"
-        return
     with _PATCHING:
         busy = id(layers) in _PATCHED_LAYERS
         _PATCHED_LAYERS.add(id(layers))
-    if busy:
+    if busy:  # its layers' forwards are the other trace's stand-ins, which run the layers' own here
         yield "another thread is tracing the same model"
         return
     try:
-        with _stand_ins(wrapper, layers_path, layers, cache_of) as replicas:
-            yield replicas
+        first_of = _first_of_structure(layers)
+        if all(first == index for index, first in first_of.items()):
+            yield None
+        elif _hooked(layers):
+            yield "a decoder layer or one of its modules has a forward hook"
+        else:
+            with _stand_ins(Replicas(trace_id=id(wrapper), layers_path=layers_path, first_of=first_of),
+                            layers, cache_of) as replicas:
+                yield replicas
     finally:
         with _PATCHING:
             _PATCHED_LAYERS.discard(id(layers))
@@ -142,18 +147,18 @@ _PATCHING = threading.Lock()
 _PATCHED_LAYERS: set[int] = set()  # the layer lists a trace has stand-ins in
 
 
-@contextlib.contextmanager
-def _stand_ins(wrapper, layers_path: str, layers: torch.nn.ModuleList, cache_of) -> Iterator[Replicas | None]:
+def _first_of_structure(layers: torch.nn.ModuleList) -> dict[int, int]:
+    """Each layer's first layer of the same structure (itself where no earlier one is like it, or
+    its class is not replicated)."""
     first_of, firsts = {}, {}
     for index, layer in enumerate(layers):
-        if not _replicated_class(type(layer)):
-            first_of[index] = index
-            continue
-        first_of[index] = firsts.setdefault(_structure(layer), index)
-    replicas = Replicas(trace_id=id(wrapper), layers_path=layers_path, first_of=first_of)
-    if not replicas.stand_ins:
-        yield None
-        return
+        first_of[index] = firsts.setdefault(_structure(layer), index) if _replicated_class(type(layer)) else index
+    return first_of
+
+
+@contextlib.contextmanager
+def _stand_ins(replicas: Replicas, layers: torch.nn.ModuleList, cache_of) -> Iterator[Replicas]:
+    first_of = replicas.first_of
     repeated = {first for index, first in first_of.items() if first != index}
     patched = [index for index, first in first_of.items() if first in repeated]
     own_forwards = {index: vars(layers[index]).get("forward") for index in patched}  # accelerate sets one
@@ -253,7 +258,7 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 record.inputs.append(leaf)
-                leaves[k] = layer_boundary(leaf, index, position, False)
+                leaves[k] = layer_boundary(leaf, position, False)
                 position += 1
             else:
                 record.others.append(leaf)
@@ -261,7 +266,7 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
         if entry is not None:
             for field in ("keys", "values"):
                 record.inputs.append(getattr(entry, field))
-                setattr(entry, field, layer_boundary(getattr(entry, field), index, position, False))
+                setattr(entry, field, layer_boundary(getattr(entry, field), position, False))
                 position += 1
         args, kwargs = pytree.tree_unflatten(leaves, record.arguments)
         before_entry = None if entry is None else (entry.keys, entry.values)
@@ -269,7 +274,7 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
         outputs = []
 
         def boundary(value):
-            marked = layer_boundary(value, index, len(outputs), True)
+            marked = layer_boundary(value, len(outputs), True)
             outputs.append(marked)
             return marked
 
@@ -283,7 +288,7 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
                 setattr(entry, field, boundary(getattr(entry, field)))
             record.cache_writes = tuple(written)
         replicas.traced[index] = record
-        _TEMPLATES[(replicas.trace_id, index)] = [o for o in outputs]
+        _TEMPLATES[(replicas.trace_id, index)] = outputs
         return result
 
     def stand_in(*args, **kwargs):
@@ -318,7 +323,7 @@ def _stand_in_forward(replicas: Replicas, index: int, forward, cache_of):
                 except RuntimeError as error:  # sizes that differ: this layer is not like the first
                     raise NotReplicable(f"layer {index} reads other sizes than layer {first}") from error
         outputs = list(layer_stand_in(inputs, replicas.trace_id, first, index))
-        taken = len(pytree.tree_flatten(record.result)[0])
+        taken = record.result.num_leaves
         result = pytree.tree_unflatten(outputs[:taken], record.result)
         if record.cache_writes:
             if entry is None:
@@ -341,11 +346,10 @@ def expand(program: ExportedProgram, replicas: Replicas) -> str | None:
     later layer's; the program may then be partly rewritten: trace again."""
     graph = program.graph
     signature = program.graph_signature
-    placeholder_of = {target: name for name, target in
-                      {**signature.inputs_to_parameters, **signature.inputs_to_buffers}.items()}
+    weights = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}  # placeholder -> name
+    placeholder_of = {target: name for name, target in weights.items()}
     nodes_by_name = {n.name: n for n in graph.nodes}
-    weight_names = {nodes_by_name[name]: target for name, target in
-                    {**signature.inputs_to_parameters, **signature.inputs_to_buffers}.items()}
+    weight_names = {nodes_by_name[name]: target for name, target in weights.items()}
     layer_nodes = _nodes_by_layer(graph, replicas.layers_path)
     firsts = sorted(set(replicas.first_of.values()) & set(replicas.traced))
     bodies = {}
@@ -378,15 +382,15 @@ def expand(program: ExportedProgram, replicas: Replicas) -> str | None:
 
         with graph.inserting_before(stand_in):
             for node in bodies[first]:
-                if node.target is _BOUNDARY and not node.args[3]:
-                    mapped[node] = inputs[node.args[2]]
+                if node.target is _BOUNDARY and not node.args[2]:
+                    mapped[node] = inputs[node.args[1]]
                     continue
                 copy = graph.node_copy(node, argument)
                 copy.meta = {**node.meta, "nn_module_stack": _restacked(node.meta.get("nn_module_stack"),
                                                                         replicas.layers_path, first, layer)}
                 mapped[node] = copy
                 if node.target is _BOUNDARY:
-                    outputs[node.args[2]] = copy
+                    outputs[node.args[1]] = copy
         for user in list(stand_in.users):
             if user.target is not _GETITEM:
                 return f"layer {layer}'s stand-in is read whole"  # never: the trace unpacks its list
@@ -405,7 +409,7 @@ def expand(program: ExportedProgram, replicas: Replicas) -> str | None:
 
 _BOUNDARY = torch.ops.genai_exporter.layer_boundary.default
 _STAND_IN = torch.ops.genai_exporter.layer_stand_in.default
-_GETITEM = __import__("operator").getitem
+_GETITEM = operator.getitem
 
 
 def _nodes_by_layer(graph, layers_path: str) -> dict[int, list[Node]]:
@@ -431,7 +435,7 @@ def _unsafe_to_copy(body: list[Node], first: int, weight_names: dict) -> str | N
         for user in node.users:
             if user not in members and node.target is not _BOUNDARY:
                 return f"layer {first}'s {node.name} is read outside it other than through its outputs"
-        if node.target is _BOUNDARY and not node.args[3]:
+        if node.target is _BOUNDARY and not node.args[2]:
             continue
         for read in node.all_input_nodes:
             if read.op == "placeholder" and read not in weight_names:

@@ -31,7 +31,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from fx_passes.base import outputs_named_as_in_graph, program_fake_mode
-from fx_passes.graph_facts import fake_value
+from fx_passes.graph_facts import fake_value, same_shape
 
 _aten = torch.ops.aten
 _RESHAPES = (_aten.flatten.using_ints, _aten.unflatten.int, _aten.reshape.default)
@@ -172,8 +172,8 @@ def _same_value(old, new) -> bool:
     expression, a sequence's items, a plain value's value."""
     if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
         return (old.dtype == new.dtype and old.device == new.device
-                and _same_sizes((*old.shape, *old.stride(), old.storage_offset()),
-                                (*new.shape, *new.stride(), new.storage_offset())))
+                and same_shape((*old.shape, *old.stride(), old.storage_offset()),
+                               (*new.shape, *new.stride(), new.storage_offset())))
     if isinstance(old, _SYMBOLIC) or isinstance(new, _SYMBOLIC):
         return type(old) is type(new) and old.node.expr == new.node.expr
     if isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)):
@@ -184,17 +184,11 @@ def _same_value(old, new) -> bool:
     return False
 
 
-def _same_sizes(old: tuple, new: tuple) -> bool:
-    def expression(size):
-        return size.node.expr if isinstance(size, torch.SymInt) else size
-    return len(old) == len(new) and all(expression(a) == expression(b) for a, b in zip(old, new, strict=True))
-
-
 def insert_type_promotions(graph_module: GraphModule) -> None:
     """torch.onnx's explicit type promotion (a cast where an op's inputs differ in dtype, a Python
     number as a tensor of the op's dtype) by torch.onnx's own rules and interpreter, except that a
     node it leaves as it was gives its recorded value instead of running again. Only for a program
-    ``ready_for_translation`` made ready: every call node's value was just recomputed, and a
+    ``ready_for_translation`` made ready: every call node's value was just brought up to date, and a
     promotion keeps each node's output dtype and shape, so no recorded value goes stale."""
     from torch.onnx._internal.fx.passes import type_promotion
 
