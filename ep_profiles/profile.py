@@ -47,6 +47,10 @@ class EpProfile:
         reads the past in place. ONNX Runtime 1.32's CPU kernel otherwise zero-fills presents as
         long as the past (max_length slots when the buffer is shared) and copies each row's real
         tokens into them, in every such layer at every step.
+    matmul_kv_shared_attention: whether a KV-shared layer's attention on one query per row (every
+        call once prefill runs those layers on the last token) becomes MatMul/Softmax over its
+        owner's real slots, where each KV head is read once for all its query heads; ONNX Runtime
+        1.32's CPU GroupQueryAttention reads it once per query head.
     graph_capture_option: the provider option that turns on graph capture (CUDA graphs, WebGPU's
         command recording), empty if the EP has none.
     graph_capture: whether packages for this profile capture the decoder's graph. A captured graph
@@ -83,6 +87,7 @@ class EpProfile:
     max_buffer_size: int | None = None
     past_present_share_buffer: bool = False
     omit_unread_presents: bool = False
+    matmul_kv_shared_attention: bool = False
     graph_capture_option: str = ""
     graph_capture: bool = False
     max_length: int | None = None

@@ -140,7 +140,8 @@ def group_query_attention(
     this kernel computes it anyway, for tests. Returns the attention output
     [batch, seq, num_heads * head] and the present key/value
     [batch, kv_num_heads, past + new, head]. (Where nobody reads the present, a KV-shared layer's,
-    the ONNX node can be written without it: ``exporter.onnx_passes.omit_unread_presents``.)
+    the ONNX node can be written without it: ``exporter.onnx_passes.omit_unread_presents``; on one
+    query per row, as MatMul/Softmax: ``exporter.onnx_passes.matmul_kv_shared_attention``.)
     """
     batch, seq, _ = query.shape
     new, past, head = key.shape[1], past_key.shape[2], past_key.shape[3]

@@ -9,7 +9,8 @@ input, and its present K/V replace the concat as graph outputs. A later core rea
 cache (Gemma 4's KV-shared layers) gets empty new K/V and the owner's present as its past, the
 form ONNX Runtime 1.32 computes correctly (``tests/fx_passes/test_gqa_reference_kernel.py``); its
 present, which nobody reads, is left out of the ONNX node where the profile says
-``omit_unread_presents``. Each mask is run on a probe sequence to learn whether it is causal or a
+``omit_unread_presents`` (and on one query per row the ONNX node becomes MatMul/Softmax where it says
+``matmul_kv_shared_attention``). Each mask is run on a probe sequence to learn whether it is causal or a
 causal sliding window (``mask_probe``); the marker builds that mask itself, so transformers' mask
 subgraph becomes dead and is removed.
 

@@ -7,6 +7,7 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py --fusions             # norm fusions on vs off (attention unchanged)
     python scripts/benchmark.py --attention           # GroupQueryAttention vs plain attention
     python scripts/benchmark.py --transposed-matmul   # weights read as stored vs transposed copies
+    python scripts/benchmark.py --kv-shared-attention # KV-shared layers: GroupQueryAttention vs MatMul/Softmax
     python scripts/benchmark.py tiny-gemma-4 --graph-capture   # WebGPU decode, graph capture on vs off
     python scripts/benchmark.py tiny-gemma-4 --max-lengths 1024 8192   # WebGPU decode at each max_length
     python scripts/benchmark.py --reexport            # re-export with other weights: graph cache (and the
@@ -55,6 +56,10 @@ def parse_args() -> argparse.Namespace:
                         help="compare linear weights stored as transposed copies (a tied LM head twice) with "
                              "read as stored (FusedMatMul transB): load time, weights, TTFT and decode at the "
                              "longest prompt")
+    parser.add_argument("--kv-shared-attention", action="store_true",
+                        help="KV-shared layers' attention as GroupQueryAttention vs MatMul/Softmax (the cpu "
+                             "profile's): TTFT and decode, GenAI at prompt + decoded tokens and at the packages' "
+                             "own max_length, alternating")
     parser.add_argument("--moe", action="store_true",
                         help="compare routed experts as MatMuls over gathered weights (plain) with ONNX Runtime's "
                              "MoE op: TTFT and decode at the longest prompt (default model: qwen3-moe-shape)")
@@ -134,9 +139,18 @@ def streamed_bytes_per_token(model_path: Path) -> int:
     return total
 
 
+def genai_threads() -> int:
+    """The intra-op threads ONNX Runtime GenAI gives a CPU session whose genai_config names none:
+    half the logical cores (``Model::CreateSessionOptionsFromConfig``), so 1 on a 2-core machine."""
+    import os
+
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 def gemv_bandwidth(megabytes: int = 512, repeats: int = 20) -> float:
     """Bytes per second ONNX Runtime's CPU MatMul streams in a float32 matrix-vector product over a
-    weight far larger than the caches (the floor a decode step is bound by), median of runs."""
+    weight far larger than the caches (the floor a decode step is bound by), median of runs, on
+    the threads GenAI decodes with."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -150,7 +164,9 @@ def gemv_bandwidth(megabytes: int = 512, repeats: int = 20) -> float:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])],
         [onnx.numpy_helper.from_array(weight, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = genai_threads()
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     x = np.ones((1, rows), dtype=np.float32)
     session.run(None, {"x": x})
     times = []
@@ -441,6 +457,33 @@ def benchmark_transposed_matmul(args) -> None:
                                                       f"{load_of[id(package)]:.2f}"))
 
 
+def benchmark_kv_shared_attention(args) -> None:
+    """KV-shared layers' attention as GroupQueryAttention (without presents) vs MatMul/Softmax over
+    the owner's slots (the cpu profile): TTFT and decode tokens/s with GenAI's KV buffer sized for
+    the prompt and decoded tokens, then at the packages' own max_length (the buffer
+    GroupQueryAttention's past spans), alternating in one run."""
+    import dataclasses
+
+    from ep_profiles import get_profile
+    from exporter.sources import load
+
+    loaded = load(args.model)
+    cpu = get_profile("cpu")
+    variants = {"GroupQueryAttention": dataclasses.replace(cpu, name="cpu-kv-shared-gqa",
+                                                           matmul_kv_shared_attention=False),
+                "MatMul/Softmax": cpu}
+    length = args.prompt_lengths[-1]
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = export_variants(loaded, variants, scratch, "with KV-shared attention as ")
+        own = packages["MatMul/Softmax"].report.kv_cache["max_length"]
+        for search_max_length, slots in ((None, length + args.decode_tokens), (0, own)):
+            results = alternating_generation(packages, length, args.decode_tokens, args.repeats, search_max_length)
+            print_generation_table(
+                f"KV-shared attention, {args.model}, ONNX Runtime GenAI CPU fp32, {length}-token prompt, "
+                f"{args.decode_tokens} decoded tokens, max_length {slots} (median of {args.repeats}, alternating)",
+                "KV-shared layers", packages, results, "GroupQueryAttention", "GroupQueryAttention")
+
+
 def alternating_load_seconds(packages: dict, repeats: int) -> dict[str, list[float]]:
     """Seconds ONNX Runtime GenAI takes to load each package (sessions created, weights packed),
     variants taking turns, one discarded warm-up each."""
@@ -655,6 +698,9 @@ def main() -> None:
     if args.moe:
         benchmark_mixture_of_experts(args)
         return
+    if args.kv_shared_attention:
+        benchmark_kv_shared_attention(args)
+        return
     with tempfile.TemporaryDirectory() as scratch:
         output = args.output or Path(scratch) / "package"
         wall = time.perf_counter()
@@ -674,7 +720,8 @@ def main() -> None:
         floor = bandwidth / streamed  # tokens/s if a step did nothing but stream its weights once
         print(f"\n## ONNX Runtime GenAI, CPU, fp32 (median of {args.repeats})\n")
         print(f"A decode step streams {streamed / 2**20:.1f} MiB of weights; ONNX Runtime's MatMul streams "
-              f"{bandwidth / 2**30:.1f} GiB/s on this machine (float32 GEMV, 512 MiB weight), so the "
+              f"{bandwidth / 2**30:.1f} GiB/s on this machine (float32 GEMV, 512 MiB weight, on "
+              f"{genai_threads()} intra-op thread(s) as GenAI decodes here), so the "
               f"bandwidth floor is {floor:.1f} tokens/s.\n")
         print(f"| prompt tokens | TTFT ms | decode tokens/s ({args.decode_tokens} tokens) | decode / floor |\n"
               "|---:|---:|---:|---:|")

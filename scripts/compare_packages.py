@@ -11,6 +11,12 @@ its own genai_config names (graph capture included), printed beside the table. `
 sets GenAI's max_length for every package (a package that shares one KV buffer gets one of that
 many slots); 0 keeps each package's own.
 
+``--processes N`` runs each package in N fresh processes, taking turns (each process: one warm-up,
+then ``--repeats`` generations; the table gives the median over processes of each process's
+median). Where a package's weights land in memory differs between processes, and on a shared
+machine that moves decode speed by several percent: two byte-identical packages loaded side by
+side in one process have decoded 4.6% apart. Use it to compare packages a few percent apart.
+
 Give this exporter's package beside the same checkpoint's package from ONNX Runtime GenAI's model
 builder (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -e cpu -p int4 -c CACHE``) or
 another exporter; their installs stay outside this project. Prompts are random token ids (fixed
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, metavar="N",
                         help="GenAI's max_length for every package (default: the prompt and decoded tokens; "
                              "0: each package's own)")
+    parser.add_argument("--processes", type=int, default=0, metavar="N",
+                        help="run each package in N fresh processes, taking turns (default 0: all in this one)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one package, for --processes
     return parser.parse_args()
 
 
@@ -70,23 +81,54 @@ def run_settings(settings: dict) -> str:
     return f"providers {json.dumps(options)}, KV buffer of max_length slots: {'yes' if shared else 'no'}"
 
 
+def in_fresh_processes(args, packages: dict, prompt_length: int) -> dict[str, dict[str, list[float]]]:
+    """Each package's TTFT and decode medians from ``args.processes`` fresh processes (this script
+    as a worker), packages taking turns, the order flipped every round."""
+    results = {name: {"ttft": [], "decode": []} for name in packages}
+    for round_ in range(args.processes):
+        for name in (list(packages) if round_ % 2 == 0 else list(reversed(packages))):
+            command = [sys.executable, __file__, f"{name}={packages[name].path}", "--worker", "--ep", args.ep,
+                       "--prompt-length", str(prompt_length), "--decode-tokens", str(args.decode_tokens),
+                       "--repeats", str(args.repeats)]
+            if args.max_length is not None:
+                command += ["--max-length", str(args.max_length)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"error: the worker for {name} failed:\n{done.stderr.strip()}")
+            medians = json.loads(done.stdout.strip().splitlines()[-1])
+            for measure in ("ttft", "decode"):
+                results[name][measure].append(medians[measure])
+    return results
+
+
 def main() -> None:
     args = parse_args()
     packages = read_packages(args.packages)
-    if args.ep == "webgpu":
+    if args.ep == "webgpu" and not args.processes:
         from ep_profiles import get_profile
         from exporter.ep_runtime import register
 
         register(get_profile("webgpu"), genai=True)
+    if args.worker:
+        (prompt_length,) = args.prompt_length
+        (results,) = alternating_generation(packages, prompt_length, args.decode_tokens, args.repeats,
+                                            search_max_length=args.max_length).values()
+        print(json.dumps({measure: statistics.median(runs) for measure, runs in results.items()}))
+        return
     for name, package in packages.items():
         print(f"{name}: {run_settings(package.settings)}")
     first = next(iter(packages))
     length = {None: "", 0: ", each package's own max_length"}.get(args.max_length, f", max_length {args.max_length}")
+    how = (f"median over {args.processes} fresh processes each of the median of {args.repeats}, taking turns"
+           if args.processes else f"median of {args.repeats}, alternating")
     for prompt_length in args.prompt_length:
-        results = alternating_generation(packages, prompt_length, args.decode_tokens, args.repeats,
-                                         search_max_length=args.max_length)
+        if args.processes:
+            results = in_fresh_processes(args, packages, prompt_length)
+        else:
+            results = alternating_generation(packages, prompt_length, args.decode_tokens, args.repeats,
+                                             search_max_length=args.max_length)
         print_generation_table(f"ONNX Runtime GenAI, {args.ep} packages, {prompt_length}-token prompt, "
-                               f"{args.decode_tokens} decoded tokens{length} (median of {args.repeats}, alternating)",
+                               f"{args.decode_tokens} decoded tokens{length} ({how})",
                                "package", packages, results, first, first)
 
 

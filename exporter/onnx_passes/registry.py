@@ -4,6 +4,7 @@
 from exporter.onnx_passes.fold_constants import FoldConstants
 from exporter.onnx_passes.fold_weight_transposes import FoldWeightTransposes
 from exporter.onnx_passes.inline_functions import InlineFunctions
+from exporter.onnx_passes.matmul_kv_shared_attention import MatmulKvSharedAttention
 from exporter.onnx_passes.norm_fusions import FuseRmsNorms, FuseSkipRmsNorms
 from exporter.onnx_passes.omit_unread_presents import OmitUnreadPresents
 from exporter.onnx_passes.pad_audio_frames import PadAudioFrames
@@ -22,6 +23,7 @@ ONNX_PASSES = {p.name: p for p in (
     WidenUnsupportedDtypes(),  # after the folds, which rewrite ops (SplitToSequence to Split)
     Tidy(),
     OmitUnreadPresents(),  # after tidy's dead-code removal, which leaves only the presents really unread
+    MatmulKvSharedAttention(),  # after tidy: it makes each step's span and Slices once itself
     FuseRmsNorms(),  # before the skip fusion, which fuses the Add into its norms
     FuseSkipRmsNorms(),
     FoldConstants(after_fusions=True),

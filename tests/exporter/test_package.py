@@ -69,9 +69,11 @@ def test_norms_are_fused(family_export):
 
 @pytest.mark.l1
 def test_every_layer_is_group_query_attention(family_export):
-    """One GroupQueryAttention per layer, no attention Softmax and no activation-by-activation
-    MatMul left (every MatMul multiplies by a weight, or an expert's weights gathered for the
-    tokens routed to it), and the shared KV buffer that needs them on."""
+    """One GroupQueryAttention per layer but the KV-shared ones (cpu writes those as MatMul/Softmax
+    over their owner's cache: two activation MatMuls and a Softmax each), no other attention
+    Softmax and no other activation-by-activation MatMul left (every MatMul multiplies by a
+    weight, or an expert's weights gathered for the tokens routed to it), and the shared KV buffer
+    that needs them on."""
     package, layout = family_export.package, family_export.package.layout
     graph = onnx.load(str(package.model_path), load_external_data=False).graph
     weights = {i.name for i in graph.initializer}
@@ -82,7 +84,8 @@ def test_every_layer_is_group_query_attention(family_export):
             weights.add(node.output[0])
     counts = package.report.op_counts
     plain_layers = PLAIN_ATTENTION_LAYERS.get(family_export.name, [])
-    assert counts["com.microsoft.GroupQueryAttention"] == layout.num_layers - len(plain_layers)
+    shared = len(layout.shared_layer_indices)
+    assert counts["com.microsoft.GroupQueryAttention"] == layout.num_layers - len(plain_layers) - shared
     if family_export.name in MIXTURE_OF_EXPERTS_FAMILIES:
         # Each experts block is ONNX Runtime's MoE, or stays plain behind its router's Softmax,
         # which feeds a TopK (through a Cast to the compute dtype or not).
@@ -91,28 +94,27 @@ def test_every_layer_is_group_query_attention(family_export):
         assert counts.get("com.microsoft.MoE", 0) == len(fused) and len(fused) + len(plain) > 0
         consumers = {i: n for n in graph.node for i in n.input}
         softmaxes = [n for n in graph.node if n.op_type == "Softmax"]
-        assert len(softmaxes) == len(plain)
+        assert shared == 0 and len(softmaxes) == len(plain)
         for softmax in softmaxes:
             after = consumers[softmax.output[0]]
             after = consumers[after.output[0]] if after.op_type == "Cast" else after
             assert after.op_type == "TopK"
     else:
         # A layer that keeps transformers' attention keeps its Softmax.
-        assert counts.get("Softmax", 0) == len(plain_layers)
+        assert counts.get("Softmax", 0) == len(plain_layers) + shared
     by_activations = [n for n in graph.node if n.op_type == "MatMul" and not any(i in weights for i in n.input)]
     # Gemma 3n's AltUp mixes its streams with per-token coefficients: one such product per layer;
-    # plain attention multiplies queries by keys and weights by values.
-    expected = (layout.num_layers if family_export.name == "tiny-gemma-3n" else 0) + 2 * len(plain_layers)
+    # plain attention and the KV-shared layers' multiply queries by keys and weights by values.
+    expected = (layout.num_layers if family_export.name == "tiny-gemma-3n" else 0) + 2 * (len(plain_layers) + shared)
     assert len(by_activations) == expected
     record = next(r for r in package.report.fx_passes if r["name"] == "substitute_group_query_attention")
     assert record["changes"]["substituted_layers"] == [i for i in range(layout.num_layers) if i not in plain_layers]
     assert sorted(int(i) for i in record["changes"]["plain_layers"]) == plain_layers
-    # cpu writes a KV-shared layer's GroupQueryAttention without the presents nobody reads; a cache
-    # owner keeps its own (graph outputs).
-    shared = len(layout.shared_layer_indices)
-    outputs = sorted(len(n.output) for n in graph.node if n.op_type == "GroupQueryAttention")
-    assert outputs == [1] * shared + [3] * (len(outputs) - shared)
+    # The cache owners keep GroupQueryAttention, with their presents (graph outputs).
+    outputs = [len(n.output) for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert outputs == [3] * (layout.num_layers - len(plain_layers) - shared)
     assert package.report.onnx_pass_changes("omit_unread_presents") == ({"presents_omitted": shared} if shared else {})
+    assert package.report.onnx_pass_changes("matmul_kv_shared_attention") == ({"layers": shared} if shared else {})
     config = json.loads((package.path / "genai_config.json").read_text())
     # One KV buffer for past and present only where GroupQueryAttention writes every present.
     assert config["search"]["past_present_share_buffer"] is (not plain_layers)

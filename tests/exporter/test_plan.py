@@ -26,8 +26,9 @@ TRUNCATE = "truncate_shared_kv_layers"
 LOWERED = ["inline_functions", "fold_weight_transposes", "fold_constants"]
 CAPTURE = ["static_reshape_targets"]
 TIDY_AND_FUSE = ["tidy", "fuse_rms_norms", "fuse_skip_rms_norms", "fold_fusion_constants"]
-# KV-shared layers (Gemma 4) without the present outputs nobody reads, where the EP's kernel was run so.
-TIDY_OMIT_AND_FUSE = [TIDY_AND_FUSE[0], "omit_unread_presents", *TIDY_AND_FUSE[1:]]
+# KV-shared layers (Gemma 4) without the present outputs nobody reads, and on one query per row as
+# MatMul/Softmax, where the EP's kernel was run so.
+TIDY_OMIT_AND_FUSE = [TIDY_AND_FUSE[0], "omit_unread_presents", "matmul_kv_shared_attention", *TIDY_AND_FUSE[1:]]
 INT4 = ["quantize_int4"]
 
 GEMMA4_FX = [*CLEANUP, GQA, LAST_TOKEN, TRUNCATE]
@@ -113,6 +114,10 @@ def test_options_change_the_plan():
     full = _plan("tiny-gemma-4", "webgpu", "fp16", full_logits=True, graph_capture=False).sessions[0]
     assert [p.name for p in full.fx_passes] == [*CLEANUP, SPLIT, GQA]
     assert "static_reshape_targets" not in [p.name for p in full.onnx_passes]
+    # --full-logits runs every prompt token through the KV-shared layers: they keep GroupQueryAttention.
+    full_cpu = _plan("tiny-gemma-4", "cpu", "fp32", full_logits=True).sessions[0]
+    assert [p.name for p in full_cpu.onnx_passes] == [*LOWERED, *TIDY_AND_FUSE[:1], "omit_unread_presents",
+                                                      *TIDY_AND_FUSE[1:]]
 
 
 @pytest.mark.l1
