@@ -58,8 +58,8 @@ def parse_args() -> argparse.Namespace:
                              "longest prompt")
     parser.add_argument("--kv-shared-attention", action="store_true",
                         help="KV-shared layers' attention as GroupQueryAttention vs MatMul/Softmax (the cpu "
-                             "profile's): TTFT and decode, GenAI at prompt + decoded tokens and at the packages' "
-                             "own max_length, alternating")
+                             "profile's): TTFT and decode at the last --prompt-lengths, GenAI at prompt + decoded "
+                             "tokens and at the packages' own max_length, alternating")
     parser.add_argument("--moe", action="store_true",
                         help="compare routed experts as MatMuls over gathered weights (plain) with ONNX Runtime's "
                              "MoE op: TTFT and decode at the longest prompt (default model: qwen3-moe-shape)")
@@ -141,10 +141,11 @@ def streamed_bytes_per_token(model_path: Path) -> int:
 
 def genai_threads() -> int:
     """The intra-op threads ONNX Runtime GenAI gives a CPU session whose genai_config names none:
-    half the logical cores (``Model::CreateSessionOptionsFromConfig``), so 1 on a 2-core machine."""
+    half the logical cores, at most 16 (``Model::CreateSessionOptionsFromConfig``), so 1 on a 2-core
+    machine."""
     import os
 
-    return max(1, (os.cpu_count() or 2) // 2)
+    return min(16, max(1, (os.cpu_count() or 2) // 2))
 
 
 def gemv_bandwidth(megabytes: int = 512, repeats: int = 20) -> float:
@@ -475,6 +476,8 @@ def benchmark_kv_shared_attention(args) -> None:
     length = args.prompt_lengths[-1]
     with tempfile.TemporaryDirectory() as scratch:
         packages = export_variants(loaded, variants, scratch, "with KV-shared attention as ")
+        if not packages["MatMul/Softmax"].report.onnx_pass_changes("matmul_kv_shared_attention").get("layers"):
+            raise SystemExit(f"error: {args.model} has no KV-shared layer the MatMul form takes; the packages are equal")
         own = packages["MatMul/Softmax"].report.kv_cache["max_length"]
         for search_max_length, slots in ((None, length + args.decode_tokens), (0, own)):
             results = alternating_generation(packages, length, args.decode_tokens, args.repeats, search_max_length)

@@ -54,7 +54,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--processes", type=int, default=0, metavar="N",
                         help="run each package in N fresh processes, taking turns (default 0: all in this one)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one package, for --processes
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.processes < 0 or args.repeats < 1:
+        parser.error("--processes takes 0 or more, --repeats 1 or more")
+    return args
 
 
 def read_packages(specs: list[str]) -> dict[str, SimpleNamespace]:
@@ -92,10 +95,13 @@ def in_fresh_processes(args, packages: dict, prompt_length: int) -> dict[str, di
                        "--repeats", str(args.repeats)]
             if args.max_length is not None:
                 command += ["--max-length", str(args.max_length)]
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"error: the worker for {name} failed:\n{done.stderr.strip()}")
-            medians = json.loads(done.stdout.strip().splitlines()[-1])
+            done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+            try:
+                medians = json.loads(done.stdout.strip().splitlines()[-1])
+            except (IndexError, json.JSONDecodeError):
+                medians = None
+            if done.returncode or not isinstance(medians, dict):
+                raise SystemExit(f"error: the worker for {name} failed (exit {done.returncode}):\n{done.stderr.strip()}")
             for measure in ("ttft", "decode"):
                 results[name][measure].append(medians[measure])
     return results
@@ -119,7 +125,8 @@ def main() -> None:
         print(f"{name}: {run_settings(package.settings)}")
     first = next(iter(packages))
     length = {None: "", 0: ", each package's own max_length"}.get(args.max_length, f", max_length {args.max_length}")
-    how = (f"median over {args.processes} fresh processes each of the median of {args.repeats}, taking turns"
+    processes = f"{args.processes} fresh process{'es' if args.processes > 1 else ''}"
+    how = (f"median over {processes} each of the median of {args.repeats}, taking turns"
            if args.processes else f"median of {args.repeats}, alternating")
     for prompt_length in args.prompt_length:
         if args.processes:

@@ -42,18 +42,23 @@ def _input(node: ir.Node, index: int) -> ir.Value | None:
     return node.inputs[index] if len(node.inputs) > index else None
 
 
+def _is_kv_shared_call(node: ir.Node) -> bool:
+    """A GroupQueryAttention whose past is another GroupQueryAttention's present."""
+    past_key = _input(node, 3) if _is_attention(node) else None
+    return past_key is not None and _is_attention(past_key.producer())
+
+
 def _rewritable(node: ir.Node) -> bool:
     """A KV-shared call (its past key and value are one other GroupQueryAttention's presents, it
     brings no new tokens, nobody reads its own presents) on one float32 query per row (the
     precision this form was measured and tested at), with only the attributes and inputs it
     computes."""
-    if not _is_attention(node):
+    if not _is_kv_shared_call(node):
         return False
-    query, key, value, past_key, past_value = (_input(node, index) for index in range(5))
-    owner = past_key.producer() if past_key is not None else None
+    query, new_key, new_value, past_key, past_value = (_input(node, index) for index in range(5))
     return (
-        _is_attention(owner) and past_value is not None and past_value.producer() is owner
-        and all(new is not None and new.shape is not None and new.shape[1] == 0 for new in (key, value))
+        past_value is not None and past_value.producer() is past_key.producer()
+        and all(new is not None and new.shape is not None and new.shape[1] == 0 for new in (new_key, new_value))
         and query.shape is not None and query.shape.rank() == 3 and query.shape[1] == 1
         and query.dtype == ir.DataType.FLOAT
         and isinstance(past_key.shape[3] if past_key.shape is not None else None, int)
@@ -134,9 +139,11 @@ class MatmulKvSharedAttention:
         make = _Builder(graph, self.name)
         spans: dict[tuple, _Span] = {}
         slices: dict[tuple, tuple[ir.Value, ir.Value]] = {}
-        rewritten = 0
+        rewritten = left = 0
         for node in list(graph):
             if not _rewritable(node):
+                # A KV-shared call this form does not cover stays GroupQueryAttention: correct, slower.
+                left += _is_kv_shared_call(node)
                 continue
             first = len(make.nodes)
             query, _, _, past_key, past_value, seqlens_k, total = node.inputs[:7]
@@ -161,8 +168,9 @@ class MatmulKvSharedAttention:
                                 domain="com.microsoft", num_heads=heads,
                                 interleaved=attributes.get("rotary_interleaved", 0))
             # One token per row: [batch, 1, heads * head] is [batch, KV heads, query heads per KV head, head].
-            rows = make.op("Reshape", [query, make.constant(f"rows_{kv_heads}_{head}",
-                                                            np.array([0, kv_heads, heads // kv_heads, head]))])
+            groups = heads // kv_heads
+            rows = make.op("Reshape", [query, make.constant(f"rows_{kv_heads}_{groups}_{head}",
+                                                            np.array([0, kv_heads, groups, head]))])
             scores = make.op("MatMul", [rows, make.op("Transpose", [keys], perm=[0, 1, 3, 2])])
             scale = attributes.get("scale", 0.0) or 1 / math.sqrt(head)  # ONNX Runtime's default for 0
             if scale != 1.0:
@@ -182,4 +190,4 @@ class MatmulKvSharedAttention:
             graph.remove(node, safe=True)
             output.name = replaced.name
             rewritten += 1
-        return {"layers": rewritten}
+        return {"layers": rewritten, "kv_shared_calls_left": left}

@@ -23,7 +23,9 @@ ONNX_PASSES = {p.name: p for p in (
     WidenUnsupportedDtypes(),  # after the folds, which rewrite ops (SplitToSequence to Split)
     Tidy(),
     OmitUnreadPresents(),  # after tidy's dead-code removal, which leaves only the presents really unread
-    MatmulKvSharedAttention(),  # after tidy: it makes each step's span and Slices once itself
+    # After tidy, whose common-subexpression pass leaves one token count for every layer: the pass
+    # makes one span and one Slice per owner for all the layers reading that count.
+    MatmulKvSharedAttention(),
     FuseRmsNorms(),  # before the skip fusion, which fuses the Add into its norms
     FuseSkipRmsNorms(),
     FoldConstants(after_fusions=True),

@@ -61,7 +61,11 @@ VARIANTS = {
     "window of 4, rotary": (4, True, 1.0, 0.0),
     "scaled, soft-capped": (-1, True, 0.25, 2.0),
     "scale 0: ONNX Runtime's 1 / sqrt(head)": (-1, False, 0.0, 0.0),
+    "window of 4, interleaved rotary": (4, True, 1.0, 0.0),
 }
+# Lowered with rotary_interleaved=1 set on the nodes afterwards (the marker rotates rotate_half
+# pairs only): compared with ONNX Runtime's kernel alone.
+INTERLEAVED = "window of 4, interleaved rotary"
 
 # name: each row's real tokens after this step (its last one the step's new token)
 CASES = {
@@ -113,8 +117,12 @@ def sessions(tmp_path_factory):
     for variant, settings in VARIANTS.items():
         for rewritten in (False, True):
             model = _lowered(OwnerAndSharedLayers(*settings))
+            if variant == INTERLEAVED:
+                for node in model.graph.all_nodes():
+                    if node.op_type == "GroupQueryAttention":
+                        node.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", 1)
             if rewritten:
-                assert MatmulKvSharedAttention()(model) == {"layers": 2}
+                assert MatmulKvSharedAttention()(model) == {"layers": 2, "kv_shared_calls_left": 0}
                 # Only the owner's GroupQueryAttention is left; both readers share one span and
                 # one Slice of each cache.
                 assert (_count(model, "GroupQueryAttention"), _count(model, "Range"), _cache_slices(model)) == (1, 1, 2)
@@ -156,7 +164,8 @@ def test_matmul_form_gives_the_kernels_output(sessions, case, variant):
         got = torch.from_numpy(rewritten[index])
         assert not got.isnan().any()
         torch.testing.assert_close(got, torch.from_numpy(replaced[index]), rtol=0, atol=TOLERANCE)
-        torch.testing.assert_close(got, want[index], rtol=0, atol=TOLERANCE)
+        if variant != INTERLEAVED:
+            torch.testing.assert_close(got, want[index], rtol=0, atol=TOLERANCE)
     for index in (2, 3):  # the owner's presents are untouched
         torch.testing.assert_close(torch.from_numpy(rewritten[index]), torch.from_numpy(replaced[index]),
                                    rtol=0, atol=0, equal_nan=True)
@@ -166,8 +175,26 @@ def test_matmul_form_gives_the_kernels_output(sessions, case, variant):
 def test_several_queries_per_row_keep_group_query_attention():
     """--full-logits runs the whole prompt through the KV-shared layers: the pass leaves them."""
     model = _lowered(OwnerAndSharedLayers(-1, False), one_query=False)
-    assert MatmulKvSharedAttention()(model) == {"layers": 0}
+    assert MatmulKvSharedAttention()(model) == {"layers": 0, "kv_shared_calls_left": 2}
     assert _count(model, "GroupQueryAttention") == 3
+
+
+@pytest.mark.l3
+def test_a_kv_shared_call_whose_present_is_read_is_left():
+    """Nothing should read a KV-shared layer's own present; where something does, its node stays."""
+
+    class SharedPresentRead(OwnerAndSharedLayers):
+        def forward(self, query, new_key, new_value, past_key, past_value, attention_mask):
+            gqa = torch.ops.genai_exporter.group_query_attention
+            settings = (NUM_HEADS, KV_HEADS, 1.0, 0.0, -1)
+            _, owner_key, owner_value = gqa(query, new_key, new_value, past_key, past_value, attention_mask, *settings)
+            empty = new_key[:, :0]
+            first, shared_key, _ = gqa(query, empty, empty, owner_key, owner_value, attention_mask, *settings)
+            second = gqa(query * 0.5, empty, empty, owner_key, owner_value, attention_mask, *settings)[0]
+            return first + shared_key.sum(), second, owner_key, owner_value
+
+    model = _lowered(SharedPresentRead(-1, False))
+    assert MatmulKvSharedAttention()(model) == {"layers": 1, "kv_shared_calls_left": 1}
 
 
 @pytest.mark.l1
