@@ -324,11 +324,11 @@ def sliding_window_slots(
     visible = (distance >= 0) & (distance < window) & (slots[:, None, :] < real[:, None, None])
     gathered = torch.minimum(slots, (real - 1).clamp(min=0)[:, None]).to(torch.int32)
     index = gathered[:, None, :, None].expand(batch, kv_num_heads, span, head_size).contiguous()
-    bias = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, _hidden_score_bias(query.dtype))
+    bias = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, hidden_score_bias(query.dtype))
     return index, bias[:, :, None].expand(batch, seq, groups, span).contiguous()
 
 
-def _hidden_score_bias(dtype) -> float:
+def hidden_score_bias(dtype) -> float:
     """Half the dtype's lowest finite value: added to a score, it stays finite, and its weight is
     0 beside any visible score while scores stay far below half the dtype's range (Gemma 4's
     normed queries and keys, soft-capped Gemma 2)."""
@@ -373,7 +373,7 @@ def _sliding_window_slots_onnx(query, attention_mask, window: int, kv_num_heads:
     gathered = op.Min(slots, op.Relu(op.Sub(real, one)))  # [batch, 1, span]
     index = op.Cast(op.Unsqueeze(gathered, [3]), to=INT32.dtype)  # [batch, 1, span, 1]
     index = op.Expand(index, op.Constant(value_ints=[1, kv_num_heads, 1, head_size]))
-    hidden = op.CastLike(_hidden_score_bias(_torch_dtype(query)), query)
+    hidden = op.CastLike(hidden_score_bias(_torch_dtype(query)), query)
     bias = op.Unsqueeze(op.Where(visible, op.CastLike(0.0, query), hidden), [2])  # [batch, seq, 1, span]
     if groups > 1:
         bias = op.Expand(bias, op.Constant(value_ints=[1, 1, groups, 1]))

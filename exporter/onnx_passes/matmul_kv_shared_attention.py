@@ -29,6 +29,9 @@ import math
 
 import numpy as np
 import onnx_ir as ir
+import torch
+
+from fx_passes.markers import hidden_score_bias
 
 _HANDLED_ATTRIBUTES = {"num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
                        "rotary_interleaved"}
@@ -117,7 +120,7 @@ class _Span:
             inside = make.op("Greater", [slots, make.op("Sub", [position, make.constant(f"window_{window}",
                                                                                         np.array(window))])])
             seen = make.op("And", [seen, inside])
-        hidden = np.array(np.finfo(dtype).min / 2, dtype)  # stays finite when added, weighs 0 in the softmax
+        hidden = np.array(hidden_score_bias(torch.float32), dtype)  # float32, the one dtype _rewritable takes
         bias = make.op("Where", [seen, make.constant(f"visible_{dtype.name}", np.array(0, dtype)),
                                  make.constant(f"hidden_{dtype.name}", hidden)])
         self.bias = make.op("Unsqueeze", [bias, make.constant("axes_1_2", np.array([1, 2]))])
@@ -140,11 +143,13 @@ class MatmulKvSharedAttention:
         make = _Builder(graph, self.name)
         spans: dict[tuple, _Span] = {}
         slices: dict[tuple, tuple[ir.Value, ir.Value]] = {}
-        rewritten = left = 0
+        rewritten = 0
         for node in list(graph):
             if not _rewritable(node):
-                # A KV-shared call this form does not cover stays GroupQueryAttention: correct, slower.
-                left += _is_kv_shared_call(node)
+                if _is_kv_shared_call(node):  # planned because every KV-shared call should be one query per row
+                    raise RuntimeError(
+                        f"{self.name}: KV-shared GroupQueryAttention {node.name} is not a float32 call on one query "
+                        "per row with unread presents; the truncation pass should have made it one")
                 continue
             first = len(make.nodes)
             query, _, _, past_key, past_value, seqlens_k, total = node.inputs[:7]
@@ -191,4 +196,4 @@ class MatmulKvSharedAttention:
             graph.remove(node, safe=True)
             output.name = replaced.name
             rewritten += 1
-        return {"layers": rewritten, "kv_shared_calls_left": left}
+        return {"layers": rewritten}

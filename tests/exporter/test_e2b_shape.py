@@ -29,7 +29,7 @@ def test_report_shows_truncation_at_layer_15(e2b_shape):
     # row, are MatMul/Softmax over their owner's cache.
     report = e2b_shape.package.report
     assert report.op_counts["com.microsoft.GroupQueryAttention"] == 15
-    assert report.onnx_pass_changes("matmul_kv_shared_attention") == {"layers": 20, "kv_shared_calls_left": 0}
+    assert report.onnx_pass_changes("matmul_kv_shared_attention") == {"layers": 20}
 
 
 @pytest.mark.l1
