@@ -16,13 +16,18 @@ session: domains and buffer limits of every graph, each section's I/O mapping ag
 missing ``per_layer_inputs`` mapping fails: GenAI would run and be silently wrong), the processor
 configs load, each session's placement on the EP (only the decoder's must be all on the EP when it
 is captured), and a greedy generation from a generated image and audio clip.
+
+No check passes a number that is not finite: NaN compares false with any bound, so a package whose
+logits are all NaN would pass ``difference > tolerance`` and pick token 0 at every step. Each
+generation's logits, and a multimodal package's features and embeddings, are checked finite
+(``nonfinite``) before anything compares them.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,29 @@ class Finding:
     passed: bool
     detail: str
     skipped: bool = False  # could not run here (the EP is not installed); not a failure
+
+
+def nonfinite(values: np.ndarray) -> str | None:
+    """How many of ``values`` are NaN or infinite ("512 NaN of 512 values"); None when all are finite."""
+    values = np.asarray(values)
+    if np.isfinite(values).all():
+        return None
+    counts = {"NaN": np.isnan(values).sum(), "+Inf": np.isposinf(values).sum(), "-Inf": np.isneginf(values).sum()}
+    return ", ".join(f"{int(count)} {kind}" for kind, count in counts.items() if count) + f" of {values.size} values"
+
+
+def _step_name(step: int) -> str:
+    """A generation step as the checks name it: the first runs the whole prompt."""
+    return "step 0 (prefill)" if step == 0 else f"step {step}"
+
+
+def _first_nonfinite(outputs: Iterable[tuple[str, np.ndarray]]) -> str | None:
+    """'<output> not finite: <counts>' for the first of ``(output, values)`` with a NaN or Inf
+    (given in the order they were computed: the first is the cause of the rest)."""
+    for output, values in outputs:
+        if counts := nonfinite(values):
+            return f"{output} not finite: {counts}"
+    return None
 
 
 class _Context:
@@ -302,9 +330,14 @@ def _check_multimodal_config(context: _Context) -> Iterator[Finding]:
                   f"sessions {', '.join(context.session_paths)} match their sections")
 
 
-def _multimodal_greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray]]:
+# The processor tensor a session's input key reads, where the processor names it otherwise.
+_PROCESSOR_NAMES = {"attention_mask": "audio_attention_mask"}  # the speech section's
+
+
+def _multimodal_greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray], str | None]:
     """Greedy tokens for a prompt with a generated image and audio clip, through GenAI's
-    processor, and the logits each was chosen from."""
+    processor, the logits each was chosen from, and the first output of any session that is not
+    finite (``_first_nonfinite``)."""
     import tempfile
 
     import onnxruntime_genai as og
@@ -321,16 +354,42 @@ def _multimodal_greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list
         processor = model.create_multimodal_processor()
         inputs = processor(prompt, images=og.Images.open(str(image)),
                            audios=og.Audios.open(str(audio)) if audio else None)
+    tensors = {name: inputs[name].as_numpy() for name in inputs.keys()}
     length = inputs["input_ids"].as_numpy().shape[-1]
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=length + SMOKE_TOKENS, do_sample=False, repetition_penalty=1.0, min_length=0)
     generator = og.Generator(model, params)
     generator.set_inputs(inputs)
-    vocab, logits = context.config["model"]["vocab_size"], []
+    vocab, logits, problem = context.config["model"]["vocab_size"], [], None
+    embedded = context.config["model"]["embedding"]["outputs"].values()
     while not generator.is_done():
         generator.generate_next_token()
         logits.append(np.array(generator.get_output("logits"), dtype=np.float32).reshape(-1)[-vocab:])
-    return generator.get_sequence(0)[length:].tolist(), logits
+        step = _step_name(len(logits) - 1)
+        problem = problem or _first_nonfinite(
+            [(f"embedding output {name} at {step}", np.array(generator.get_output(name), dtype=np.float32))
+             for name in embedded] + [(f"logits at {step}", logits[-1])])
+    tokens = generator.get_sequence(0)[length:].tolist()
+    del generator, model  # the feature sessions below load without GenAI's beside them
+    # The features come before the embedding that reads them: a problem there is the cause.
+    return tokens, logits, _first_nonfinite(_feature_outputs(context, tensors, on_cpu)) or problem
+
+
+def _feature_outputs(context: _Context, tensors: dict[str, np.ndarray], on_cpu: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """The vision and speech sessions' outputs for the processor's tensors, on the CPU or the EP:
+    GenAI runs these sessions but hands out none of their outputs, so they run again here."""
+    from ep_profiles import get_profile
+    from exporter.ep_runtime import float32_outputs, inference_session
+
+    for name in ("vision", "speech"):
+        if name not in context.session_paths:
+            continue
+        session = inference_session(context.session_paths[name], get_profile("cpu") if on_cpu else context.profile,
+                                    {} if on_cpu else _provider_options(context, name))
+        feed = {graph_input: tensors[_PROCESSOR_NAMES.get(key, key)]
+                for key, graph_input in context.config["model"][name]["inputs"].items()}
+        for output, values in float32_outputs(session, feed).items():
+            yield f"{name} output {output}", values
 
 
 def _check_multimodal_generation(context: _Context) -> Iterator[Finding]:
@@ -341,8 +400,8 @@ def _check_multimodal_generation(context: _Context) -> Iterator[Finding]:
                             f" from a generated {what}")
 
 
-def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and, for each, the logits it was chosen from."""
+def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray], str | None]:
+    """Greedy tokens, for each the logits it was chosen from, and the first of those not finite."""
     from exporter.check_against import greedy_with_logits
 
     vocab = context.config["model"]["vocab_size"]
@@ -350,7 +409,8 @@ def _greedy(context: _Context, on_cpu: bool) -> tuple[list[int], list[np.ndarray
     placeholders = {context.config["model"].get(key) for key in ("image_token_id", "audio_token_id")}
     prompt = [t % vocab for t in (2, 17, 42, 5, 99) if t % vocab not in placeholders]
     generation = greedy_with_logits(context.package, [prompt], SMOKE_TOKENS, on_cpu=on_cpu)[0]
-    return generation.tokens, generation.logits
+    return generation.tokens, generation.logits, _first_nonfinite(
+        (f"logits at {_step_name(step)}", values) for step, values in enumerate(generation.logits))
 
 
 def _computes_in_bf16(context: _Context) -> bool:
@@ -368,6 +428,7 @@ def _precision(context: _Context) -> str:
 
 
 def _compare_generations(on_cpu, cpu_logits, on_ep, precision: str) -> tuple[bool, str]:
+    """The EP's tokens against the CPU's, whose logits ``_generations`` has found finite."""
     if on_ep == on_cpu:
         return True, ""
     step = next((i for i, (a, b) in enumerate(zip(on_cpu, on_ep, strict=False)) if a != b), None)
@@ -389,7 +450,8 @@ def _check_smoke_generation(context: _Context) -> Iterator[Finding]:
 def _generations(context: _Context, cpu_check: str, ep_check: str, greedy, source: str) -> Iterator[Finding]:
     """Greedy tokens on the CPU, in the vocabulary; then on the EP where it is installed, the same
     as the CPU's up to near ties. A bf16 package has no CPU run (ONNX Runtime's CPU EP has no bf16
-    kernels for most ops): its EP tokens are checked to be in the vocabulary only."""
+    kernels for most ops): its EP tokens are checked to be in the vocabulary only. Either run fails
+    on the first session output (logits, features, embeddings) that is not finite, naming its step."""
     from exporter.ep_runtime import EpUnavailable, register
 
     vocab = context.config["model"]["vocab_size"]
@@ -399,16 +461,23 @@ def _generations(context: _Context, cpu_check: str, ep_check: str, greedy, sourc
         yield Finding(cpu_check, True, "not run on the CPU: ONNX Runtime's CPU EP has no bf16 kernels for most ops",
                       skipped=True)
     else:
-        on_cpu, cpu_logits = greedy(context, on_cpu=True)
-        in_range = bool(on_cpu) and all(0 <= t < vocab for t in on_cpu)
-        yield Finding(cpu_check, in_range, f"greedy tokens on CPU{source}: {on_cpu}")
+        on_cpu, cpu_logits, problem = greedy(context, on_cpu=True)
+        if problem:
+            yield Finding(cpu_check, False, f"on CPU{source}, {problem}")
+            on_cpu = None  # tokens picked from such logits are nothing to hold the EP's to: those stand alone
+        else:
+            in_range = bool(on_cpu) and all(0 <= t < vocab for t in on_cpu)
+            yield Finding(cpu_check, in_range, f"greedy tokens on CPU{source}: {on_cpu}")
     if not context.profile.genai_provider:
         return
     try:
         register(context.profile, genai=True)
-        on_ep, _ = greedy(context, on_cpu=False)
+        on_ep, _, problem = greedy(context, on_cpu=False)
     except EpUnavailable as error:
         yield Finding(ep_check, True, f"not run: {error}", skipped=True)
+        return
+    if problem:
+        yield Finding(ep_check, False, f"on {context.profile.ort_provider}{source}, {problem}")
         return
     if on_cpu is None:
         in_range = bool(on_ep) and all(0 <= t < vocab for t in on_ep)

@@ -8,7 +8,13 @@ text) and the two are compared step by step, with the tolerances of the package'
 
 - ``source_logits``: max |package logit - transformers logit| at every step;
 - ``source_tokens``: the package's token must be transformers' best, or part from it at a near tie
-  (its transformers logit at most ``near_tie`` below the best).
+  (its transformers logit at most ``near_tie`` below the best); and a package that picks one token at
+  every step from the first, where transformers picks it at most at half of them, fails whatever the
+  margins (a degenerate repeat, such as ``<pad>`` forever, that near-tie bounds wide enough for a tiny
+  model's flat logits would let through).
+
+Logits that are not finite, the package's or transformers', fail both at the first such step
+(NaN compares false with any bound: all-NaN logits differed by "0").
 
 The reference is loaded by transformers' own ``from_pretrained`` (in fp32), never by the
 exporter's streaming loader, so a tensor the export drops or misreads shows up here. The package
@@ -28,6 +34,7 @@ import numpy as np
 import torch
 import transformers
 
+from exporter.check import nonfinite
 from exporter.errors import ExporterError
 from exporter.layout import eval_mode
 from exporter.precisions import PRECISIONS
@@ -133,11 +140,22 @@ def compare_with_source(package: Path, source: Any, precision: str, new_tokens: 
             if want.shape != got.shape:
                 return [("source_logits", False, (f"the package has {got.shape[-1]} logits, "
                                                   f"transformers {want.shape[-1]}: not the same vocabulary"))]
+            unusable = [f"{whose} logits are not finite: {counts}"
+                        for whose, values in (("the package's", got), ("transformers'", want)) if (counts := nonfinite(values))]
+            if unusable:  # nothing to compare, and the token was picked from them
+                failure = f"at {where} {'; '.join(unusable)}"
+                logit_failure, token_failure = logit_failure or failure, token_failure or failure
+                continue
             difference = float(np.abs(got - want).max())
             worst = max(worst, difference)
             if difference > tolerance.source_logits and logit_failure is None:
                 logit_failure = (f"at {where} the logits differ from transformers' by {difference:.3g} "
                                  f"(tolerance {tolerance.source_logits} for {precision})")
+        if token_failure is None and (repeat := degenerate_repeat(reference, generation.tokens)):
+            token, picked = repeat
+            token_failure = (f"at prompt {number} the package picks {token} {tokenizer.decode([token])!r} at every step "
+                             f"from generated token 0 ({len(generation.tokens)} steps), transformers at {picked} of them: "
+                             "a degenerate repeat")
         for departure in departures(reference, generation.tokens):
             where = f"prompt {number}, generated token {departure.step} (position {len(generation.prompt) + departure.step})"
             if departure.margin <= tolerance.source_near_tie:
@@ -175,6 +193,17 @@ def departures(reference: list[np.ndarray], tokens: list[int]) -> list[Departure
         if token != best:
             found.append(Departure(step, token, best, float(want[best] - want[token])))
     return found
+
+
+def degenerate_repeat(reference: list[np.ndarray], tokens: list[int]) -> tuple[int, int] | None:
+    """(token, at how many steps transformers picks it) where the package picks one token at every
+    step from the first and transformers (``teacher_forced_logits``) picks it at most at half of
+    them; None otherwise. Not at every step fewer: a model that itself repeats a token may part from
+    it once at a near tie."""
+    if len(tokens) < 2 or len(set(tokens)) > 1:
+        return None
+    picked = sum(int(want.argmax()) == tokens[0] for want in reference)
+    return (tokens[0], picked) if 2 * picked <= len(tokens) else None
 
 
 @torch.no_grad()

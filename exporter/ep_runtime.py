@@ -12,6 +12,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from ep_profiles import EpProfile
 
 # Lets the WebGPU EP use a software adapter (Mesa's lavapipe) where no GPU is present.
@@ -74,6 +76,32 @@ def inference_session(model_path: Path, profile: EpProfile, provider_options: di
     return ort.InferenceSession(
         str(model_path), sess_options=options, providers=[(profile.ort_provider, provider_options)]
     )
+
+
+def float32_outputs(session, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One run of ``session``, each output copied to the CPU as fp32. onnxruntime gives no numpy array
+    for a bf16 output, so its bits are read off the tensor's memory and widened (exactly: bf16 is
+    fp32's upper half)."""
+    import ctypes
+
+    binding = session.io_binding()
+    for name, value in feed.items():
+        binding.bind_cpu_input(name, value)
+    names = [output.name for output in session.get_outputs()]
+    for name in names:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    outputs = {}
+    for name, value in zip(names, binding.get_outputs(), strict=True):
+        if value.data_type() == "tensor(bfloat16)":
+            count = int(np.prod(value.shape()))
+            bits = np.zeros(0, np.uint16)
+            if count:
+                bits = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(value.data_ptr()))
+            outputs[name] = (bits.astype(np.uint32) << 16).view(np.float32).reshape(value.shape())
+        else:
+            outputs[name] = value.numpy().astype(np.float32)
+    return outputs
 
 
 def placement(session) -> dict[str, Counter]:
