@@ -206,7 +206,7 @@ def key_ingredients(model: torch.nn.Module, weight_source: weights.WeightSource,
         # pass may fold): fake and meta ones give their shape only.
         "buffers": {name: _tensor_digest(b) for name, b in model.named_buffers()},
         "weights": _qualified_name(type(weight_source)),
-        "settings": _jsonable(dataclasses.asdict(settings)),
+        "settings": _jsonable({k: v for k, v in dataclasses.asdict(settings).items() if k != "residual_exponent"}),
         "plan": plan.to_dict(),
     }
 

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.profile import WINDOW_BY_MASK
 from ep_profiles.registry import UnknownProfileError
-from exporter import destination, graph_cache, package, postconditions, translation_ready, weights
+from exporter import activation_ranges, destination, graph_cache, package, postconditions, translation_ready, weights
 from exporter.errors import ExporterBug, ExporterError, environment_error
 from exporter.genai_config import (
     FALLBACK_DECODER_TYPE,
@@ -34,6 +36,7 @@ from exporter.int4_options import Int4Options
 from exporter.plan import ExportPlan, ExportSettings, export_settings, make_plan
 from exporter.precisions import PRECISIONS, choose_precision, int4_options
 from exporter.prepare import prepare
+from exporter.sample_prefill import run_sample_prefill
 from exporter.progress import ProgressDisplay
 from exporter.report import ExportReport, SessionReport, package_summary
 from exporter.sessions import SESSIONS
@@ -161,14 +164,18 @@ def export(
         loaded = load(model, tokenizer, options, processor)
         compute_dtype = PRECISIONS[precision].compute_dtype(profile)
         prepared = prepare(loaded, compute_dtype)
+    ranges = prepared.activation_ranges
     profile = _with_max_length(profile, max_length, prepared.layout)
     settings = export_settings(profile, prepared.layout, precision, graph_capture=graph_capture,
                                full_logits=full_logits, int4=int4, multimodal=loaded.multimodal,
-                               int4_encoders=int4_encoders)
+                               int4_encoders=int4_encoders,
+                               residual_exponent=activation_ranges.exponent_of(ranges))
     plan = make_plan(settings)
     tokenizer_bytes = _tokenizer_bytes(loaded.tokenizer)
     destination.require_space(target, _fewest_weight_bytes(prepared, settings, plan) + tokenizer_bytes)
     report = _new_report(loaded, settings, plan)
+    if ranges is not None:
+        report.activation_ranges = activation_ranges.report_of(ranges)
     length = chosen_context_length(settings.layout, profile)
     if _counts_in_float32(settings) and length > FLOAT32_COUNT_LIMIT:
         raise ExporterError(f"max_length {length} is over what this {settings.profile.name} decoder counts exactly "
@@ -194,7 +201,7 @@ def export(
     destination.require_space(target, package_bytes)
     try:
         with destination.staging_folder(target) as staging:
-            _write_package(staging, models, loaded, settings, report, stages, display)
+            _write_package(staging, models, loaded, settings, report, stages, display, package_bytes)
             if origins[0] is not None and (why_not := _read_once_each(models, readers)):
                 origins = None, why_not
     except OSError as error:
@@ -209,6 +216,10 @@ def _weight_origins(loaded, models, readers, settings: ExportSettings) -> tuple[
     depend on more than their checkpoint tensors (``ExportedPackage.weight_origins``)."""
     if not isinstance(loaded.weights, weights.SafetensorsWeights):
         return None, "the weights do not stream from a checkpoint folder's safetensors"
+    if settings.compute_dtype == torch.float16:
+        # Another checkpoint may need another residual scale (or none): only an export measures it.
+        return None, ("its activations are fp16, whose residual scale the export measures from the weights "
+                      "(exporter.activation_ranges) and a replay would not")
     if loaded.weights.compared_values:
         return None, "the checkpoint saves a tied tensor under two keys, whose values the export compared"
     origins = {}
@@ -237,7 +248,7 @@ def _read_once_each(models, readers) -> str | None:
 
 
 def _write_package(staging: Path, models, loaded, settings: ExportSettings, report: ExportReport,
-                   stages: StageLog, display: ProgressDisplay | None) -> None:
+                   stages: StageLog, display: ProgressDisplay | None, package_bytes: int) -> None:
     with stages.stage("package"), _write_progress(display, models) as on_tensor:
         sections = {}
         for name, onnx_model in models.items():
@@ -250,6 +261,9 @@ def _write_package(staging: Path, models, loaded, settings: ExportSettings, repo
                                           settings.share_kv_buffer, settings.multimodal)
         package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
         package.save_tokenizer(loaded.tokenizer, staging)
+    if settings.compute_dtype == torch.float16:
+        with stages.stage("sample_prefill"):
+            report.sample_prefill = run_sample_prefill(staging, loaded.tokenizer, package_bytes)
     package.save_report(report, stages, staging)
 
 

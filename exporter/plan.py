@@ -41,6 +41,10 @@ class ExportSettings:
     # ``pipeline._with_plain_attention_layers`` after the decoder's FX passes):
     # their attention stays transformers', and past and present KV are then separate buffers.
     plain_attention_layers: tuple[int, ...] = ()
+    # k in the decoder's residual-stream scale 2**-k at fp16 activations, from the float32 peaks
+    # measured at export time (``exporter.activation_ranges``); 0: no scaling. Depends on the
+    # weights, so the graph cache's key leaves it out (it acts after the cached graphs).
+    residual_exponent: int = 0
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -122,7 +126,8 @@ class ExportPlan:
 
 def export_settings(profile: EpProfile, layout: DecoderLayout, precision: str, *, graph_capture: bool = True,
                     full_logits: bool = False, int4: Int4Options | None = None,
-                    multimodal: MultimodalFacts | None = None, int4_encoders: bool = False) -> ExportSettings:
+                    multimodal: MultimodalFacts | None = None, int4_encoders: bool = False,
+                    residual_exponent: int = 0) -> ExportSettings:
     return ExportSettings(
         profile=profile,
         layout=layout,
@@ -133,6 +138,7 @@ def export_settings(profile: EpProfile, layout: DecoderLayout, precision: str, *
         int4=int4,
         multimodal=multimodal,
         int4_encoders=int4_encoders,
+        residual_exponent=residual_exponent,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from exporter import weights
+from exporter.activation_ranges import ActivationRanges, calibrate
 from exporter.compute_dtype import cast_like_from_pretrained
 from exporter.errors import ExporterError
 from exporter.layout import DecoderLayout, derive_layout
@@ -27,6 +28,9 @@ class PreparedModel:
     # Where the package's weights are read when it is written: the loaded source's, or the model's
     # own tensors where the model holds them (then traced with their values: ``weights_in_model``).
     weight_source: weights.WeightSource
+    # fp16 activations: the decoder's float32 peaks on the calibration prompts, or why they were
+    # not measured (``exporter.activation_ranges``); None at other precisions.
+    activation_ranges: ActivationRanges | str | None = None
 
     @property
     def weights_in_model(self) -> bool:
@@ -34,6 +38,8 @@ class PreparedModel:
 
 
 def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
+    # Measured first, in float32 on the model as loaded: the cast and the fake weights come after.
+    ranges = calibrate(loaded) if dtype == torch.float16 else None
     model = loaded.model
     if loaded.weights is not None:
         cast_like_from_pretrained(model, dtype)  # empty parameters, built for this export: no copy
@@ -57,9 +63,9 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         ) from error
     saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     if loaded.weights is None:
-        return PreparedModel(model, decoder, layout, saved_shapes, weights.ModelWeights(model))
+        return PreparedModel(model, decoder, layout, saved_shapes, weights.ModelWeights(model), ranges)
     weights.fake_weights(model, buffers=loaded.weights.provides_buffers)
-    return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights)
+    return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights, ranges)
 
 
 def causal_lm_view(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:

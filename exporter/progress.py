@@ -22,6 +22,7 @@ STAGE_TITLES = {
     "lower": "lowering to ONNX",
     "onnx_passes": "running ONNX passes",
     "package": "writing the package",
+    "sample_prefill": "running a sample prefill on the CPU",
 }
 
 # The stage whose time is the weights' write, shown as a bar rather than a counting line.

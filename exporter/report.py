@@ -82,6 +82,12 @@ class ExportReport:
     # The graph cache (``exporter.graph_cache``): {"folder", "key", "sessions": {name: "hit" |
     # "written" | why not written}}, or {"off": why}.
     graph_cache: dict[str, Any] = field(default_factory=dict)
+    # fp16 activations: the decoder's float32 activation peaks on the calibration prompts and the
+    # residual scale chosen from them (``exporter.activation_ranges``), or {"skipped": why}.
+    activation_ranges: dict[str, Any] = field(default_factory=dict)
+    # fp16 activations: the CPU EP's prefill of a sample prompt (``exporter.sample_prefill``):
+    # {"prompt", "prompt_tokens", "max_abs_logit", "seconds"}, or {"skipped": why}.
+    sample_prefill: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
@@ -124,6 +130,8 @@ class ExportReport:
             "files": self.files,
             "kv_cache": self.kv_cache,
             "graph_cache": self.graph_cache,
+            "activation_ranges": self.activation_ranges,
+            "sample_prefill": self.sample_prefill,
             "notes": self.notes,
         }
 
@@ -149,6 +157,12 @@ class ExportReport:
                          f"{self.kv_cache['bytes'] / mib:.1f} MiB per sequence")
         if self.graph_cache:
             lines.append(f"- graph cache: {describe_graph_cache(self.graph_cache)}")
+        if self.activation_ranges:
+            lines.append(f"- fp16 range: {describe_activation_ranges(self.activation_ranges)}")
+        if self.sample_prefill:
+            prefill = self.sample_prefill
+            lines.append(f"- sample prefill on the CPU EP: skipped ({prefill['skipped']})" if "skipped" in prefill else
+                         f"- sample prefill on the CPU EP: finite logits, largest |logit| {prefill['max_abs_logit']:g}")
         lines += [f"- note: {note}" for note in self.notes]
         lines += ["", "## Stages", "", "| stage | seconds | peak RSS MiB |", "|---|---:|---:|"]
         lines += [
@@ -236,3 +250,13 @@ def _session_markdown(name: str, session: SessionReport) -> list[str]:
         f"| {t['name']} | {t['shape']} | {t['dtype']} | {t['bytes'] / mib:.1f} |" for t in init.get("largest", [])
     ]
     return lines
+
+
+def describe_activation_ranges(ranges: dict[str, Any]) -> str:
+    if "skipped" in ranges:
+        return f"not calibrated ({ranges['skipped']})"
+    k = ranges["residual_exponent"]
+    scale = f"residual stream scaled by 2**-{k}" if k else "residual stream unscaled"
+    return (f"float32 residual peak {ranges['residual_peak']:g} (layer {ranges['peak_layer']}) over "
+            f"{ranges['prompts']} prompts, {scale}; largest other activation {ranges['other_peak']:g} "
+            f"({ranges['other_module']})")

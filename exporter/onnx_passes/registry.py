@@ -9,6 +9,7 @@ from exporter.onnx_passes.norm_fusions import FuseRmsNorms, FuseSkipRmsNorms
 from exporter.onnx_passes.omit_unread_presents import OmitUnreadPresents
 from exporter.onnx_passes.pad_audio_frames import PadAudioFrames
 from exporter.onnx_passes.quantize_int4 import QuantizeInt4
+from exporter.onnx_passes.scale_residual_stream import ScaleResidualStream
 from exporter.onnx_passes.static_reshape_targets import StaticReshapeTargets
 from exporter.onnx_passes.tidy import Tidy
 from exporter.onnx_passes.widen_unsupported_dtypes import WidenUnsupportedDtypes
@@ -30,5 +31,6 @@ ONNX_PASSES = {p.name: p for p in (
     FuseSkipRmsNorms(),
     FoldConstants(after_fusions=True),
     FoldConstants(after_fusions=True, towers=True),
+    ScaleResidualStream(),  # after the norm fusions, whose epsilons it rescales; before int4 reads the weights
     QuantizeInt4(),
 )}

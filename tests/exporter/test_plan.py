@@ -30,6 +30,9 @@ TIDY_AND_FUSE = ["tidy", "fuse_rms_norms", "fuse_skip_rms_norms", "fold_fusion_c
 # MatMul/Softmax, where the EP's kernel was run so.
 TIDY_OMIT_AND_FUSE = [TIDY_AND_FUSE[0], "omit_unread_presents", "matmul_kv_shared_attention", *TIDY_AND_FUSE[1:]]
 INT4 = ["quantize_int4"]
+# fp16 activations (fp16, and int4 on every profile but cpu): the decoder's residual stream scaled
+# into fp16's range by the power of two its float32 peaks need.
+SCALE = ["scale_residual_stream"]
 
 GEMMA4_FX = [*CLEANUP, GQA, LAST_TOKEN, TRUNCATE]
 LLAMA_FX = [*CLEANUP, GQA, LAST_TOKEN]
@@ -37,45 +40,47 @@ ONNX = [*LOWERED, *TIDY_AND_FUSE]
 ONNX_CAPTURED = [*LOWERED, *CAPTURE, *TIDY_AND_FUSE]
 ONNX_BF16 = [*LOWERED, "widen_unsupported_dtypes", *TIDY_AND_FUSE]
 ONNX_SHARED_KV = [*LOWERED, *TIDY_OMIT_AND_FUSE]
+ONNX_FP16 = ONNX + SCALE
+ONNX_CAPTURED_FP16 = ONNX_CAPTURED + SCALE
 
 GOLDEN = {
     ("tiny-gemma-4", "cpu", "fp32"): (GEMMA4_FX, ONNX_SHARED_KV),
     ("tiny-gemma-4", "cpu", "int4"): (GEMMA4_FX, ONNX_SHARED_KV + INT4),
-    ("tiny-gemma-4", "cuda", "fp16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "cuda", "fp16"): (GEMMA4_FX, ONNX_FP16),
     ("tiny-gemma-4", "cuda", "bf16"): (GEMMA4_FX, ONNX_BF16),
     ("tiny-gemma-4", "cuda", "fp32"): ([*CLEANUP, LAST_TOKEN, TRUNCATE], ONNX),  # no fp32 GroupQueryAttention
-    ("tiny-gemma-4", "cuda", "int4"): (GEMMA4_FX, ONNX + INT4),
-    ("tiny-gemma-4", "dml", "fp16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "cuda", "int4"): (GEMMA4_FX, ONNX_FP16 + INT4),
+    ("tiny-gemma-4", "dml", "fp16"): (GEMMA4_FX, ONNX_FP16),
     ("tiny-gemma-4", "dml", "fp32"): (GEMMA4_FX, ONNX),
-    ("tiny-gemma-4", "dml", "int4"): (GEMMA4_FX, ONNX + INT4),
-    ("tiny-gemma-4", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED),
+    ("tiny-gemma-4", "dml", "int4"): (GEMMA4_FX, ONNX_FP16 + INT4),
+    ("tiny-gemma-4", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED_FP16),
     ("tiny-gemma-4", "webgpu", "fp32"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED),
-    ("tiny-gemma-4", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED + INT4),
-    ("tiny-gemma-4", "trt-rtx", "fp16"): (GEMMA4_FX, ONNX),
+    ("tiny-gemma-4", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED_FP16 + INT4),
+    ("tiny-gemma-4", "trt-rtx", "fp16"): (GEMMA4_FX, ONNX_FP16),
     ("tiny-gemma-4", "trt-rtx", "bf16"): (GEMMA4_FX, ONNX_BF16),
     ("tiny-gemma-4", "trt-rtx", "fp32"): ([*CLEANUP, LAST_TOKEN, TRUNCATE], ONNX),
-    ("tiny-gemma-4", "trt-rtx", "int4"): (GEMMA4_FX, ONNX + INT4),
+    ("tiny-gemma-4", "trt-rtx", "int4"): (GEMMA4_FX, ONNX_FP16 + INT4),
     ("tiny-llama", "cpu", "fp32"): (LLAMA_FX, ONNX),
     ("tiny-llama", "cpu", "int4"): (LLAMA_FX, ONNX + INT4),
-    ("tiny-llama", "cuda", "fp16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "cuda", "fp16"): (LLAMA_FX, ONNX_FP16),
     ("tiny-llama", "cuda", "bf16"): (LLAMA_FX, ONNX_BF16),
     ("tiny-llama", "cuda", "fp32"): ([*CLEANUP, LAST_TOKEN], ONNX),
-    ("tiny-llama", "cuda", "int4"): (LLAMA_FX, ONNX + INT4),
-    ("tiny-llama", "dml", "fp16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "cuda", "int4"): (LLAMA_FX, ONNX_FP16 + INT4),
+    ("tiny-llama", "dml", "fp16"): (LLAMA_FX, ONNX_FP16),
     ("tiny-llama", "dml", "fp32"): (LLAMA_FX, ONNX),
-    ("tiny-llama", "dml", "int4"): (LLAMA_FX, ONNX + INT4),
-    ("tiny-llama", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED),
+    ("tiny-llama", "dml", "int4"): (LLAMA_FX, ONNX_FP16 + INT4),
+    ("tiny-llama", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED_FP16),
     ("tiny-llama", "webgpu", "fp32"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED),
-    ("tiny-llama", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED + INT4),
-    ("tiny-llama", "trt-rtx", "fp16"): (LLAMA_FX, ONNX),
+    ("tiny-llama", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED_FP16 + INT4),
+    ("tiny-llama", "trt-rtx", "fp16"): (LLAMA_FX, ONNX_FP16),
     ("tiny-llama", "trt-rtx", "bf16"): (LLAMA_FX, ONNX_BF16),
     ("tiny-llama", "trt-rtx", "fp32"): ([*CLEANUP, LAST_TOKEN], ONNX),
-    ("tiny-llama", "trt-rtx", "int4"): (LLAMA_FX, ONNX + INT4),
+    ("tiny-llama", "trt-rtx", "int4"): (LLAMA_FX, ONNX_FP16 + INT4),
     # Routed experts become ONNX Runtime's MoE on the CPU only (the one EP whose kernel was run).
     ("tiny-qwen3-moe", "cpu", "fp32"): ([*CLEANUP, GQA, MOE, LAST_TOKEN], ONNX),
     ("tiny-qwen3-moe", "cpu", "int4"): ([*CLEANUP, GQA, MOE, LAST_TOKEN], ONNX + INT4),
-    ("tiny-qwen3-moe", "cuda", "fp16"): (LLAMA_FX, ONNX),
-    ("tiny-qwen3-moe", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED),
+    ("tiny-qwen3-moe", "cuda", "fp16"): (LLAMA_FX, ONNX_FP16),
+    ("tiny-qwen3-moe", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED_FP16),
 }
 
 _LAYOUTS = {}
@@ -150,7 +155,7 @@ MULTIMODAL_GOLDEN = {
         "speech": (ENCODER_FX, SPEECH_ONNX),
     },
     ("webgpu", "int4", False): {
-        "decoder": ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED + INT4),
+        "decoder": ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED_FP16 + INT4),
         "embedding": (ENCODER_FX_WEBGPU, ONNX + INT4),
         "vision": (ENCODER_FX_WEBGPU, TOWER_ONNX),
         "speech": (ENCODER_FX_WEBGPU, SPEECH_ONNX),

@@ -168,6 +168,8 @@ def test_weights_made_otherwise_are_not_recorded(checkpoints, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
     assert "int4 blocks" in not_recorded_because(capsys, checkpoints[0], tmp_path / "a", "--precision", "int4")
+    # fp16 activations: another checkpoint may need another residual scale, which only an export measures.
+    assert "activations are fp16" in not_recorded_because(capsys, checkpoints[0], tmp_path / "f", "--ep", "webgpu")
 
     moe = save_checkpoint(*training_run_checkpoint("tiny-qwen3-moe", 0), tmp_path / "moe")
     assert "a way a replay does not repeat" in not_recorded_because(capsys, moe, tmp_path / "b")
@@ -179,42 +181,43 @@ def test_weights_made_otherwise_are_not_recorded(checkpoints, tmp_path, capsys):
     assert "tied tensor under two keys" in not_recorded_because(capsys, tied, tmp_path / "d")
 
 
-@pytest.mark.parametrize("ep", ["cpu", "webgpu"])
-def test_converted_cast_and_transposed_weights_replay_byte_identical(ep, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("ep,precision", [("cpu", "fp32"), ("webgpu", "fp32"), ("cuda", "bf16")])
+def test_converted_cast_and_transposed_weights_replay_byte_identical(ep, precision, tmp_path, capsys, monkeypatch):
     """A bf16 checkpoint, as Google saves Gemma 4 and a bf16 training run saves its steps: cpu
-    fp32 converts every weight (exact), webgpu fp16 rounds them, transposes the matrices and casts
-    the norm scales back to fp32. A replay makes them all with numpy, byte for byte; a NaN it would
-    have to narrow is exported instead; and a record keeps only what numpy made as the export did."""
+    fp32 converts every weight (exact), webgpu fp32 also transposes the matrices, and cuda bf16
+    from an fp32 checkpoint rounds and transposes them. A replay makes them all with numpy, byte for byte; a NaN it
+    would have to narrow is exported instead; and a record keeps only what numpy made as the export
+    did."""
     import torch
 
     from exporter import derived_weights
 
-    bf16 = []
+    saved = []
+    dtype = torch.float32 if precision == "bf16" else torch.bfloat16  # the package narrows, or widens
     for seed in (0, 1):
         model, tokenizer = training_run_checkpoint(PRESET, seed)
-        bf16.append(save_checkpoint(model.to(torch.bfloat16), tokenizer, tmp_path / f"bf16-{seed}"))
+        saved.append(save_checkpoint(model.to(dtype), tokenizer, tmp_path / f"ckpt-{seed}"))
     cache = str(tmp_path / "cache")
-    cli(capsys, bf16[0], tmp_path / "first", "--ep", ep, "--cache-dir", cache)
+    flags = ("--ep", ep, "--precision", precision)
+    cli(capsys, saved[0], tmp_path / "first", *flags, "--cache-dir", cache)
     record = json.loads(next((tmp_path / "cache").glob(f"*/{replay.RECORD_FILENAME}")).read_text())
     steps = {step for data in record["data_files"].values() for piece in data["pieces"] if "derive" in piece
              for step, _ in piece["derive"]["steps"]}
-    assert steps == ({"transpose"} if ep == "webgpu" else set())
-    inline_casts = [p for p in record["inline_weights"]["model.onnx"] if ["cast", "F32"] in p["derive"]["steps"]]
-    assert bool(inline_casts) == (ep == "webgpu")
-    summary, _ = cli(capsys, bf16[1], tmp_path / "replayed", "--ep", ep, "--cache-dir", cache)
+    assert steps == ({"transpose"} if ep != "cpu" else set())
+    summary, _ = cli(capsys, saved[1], tmp_path / "replayed", *flags, "--cache-dir", cache)
     assert summary["graph_cache"]["sessions"] == {"decoder": "replayed"}
-    cli(capsys, bf16[1], tmp_path / "uncached", "--ep", ep, "--no-cache")
+    cli(capsys, saved[1], tmp_path / "uncached", *flags, "--no-cache")
     assert package_digests(tmp_path / "replayed") == package_digests(tmp_path / "uncached")
-    if ep == "cpu":
+    if precision != "bf16":
         return
 
     from safetensors.torch import load_file, save_file
 
-    nan = Path(shutil.copytree(bf16[1], tmp_path / "nan"))
+    nan = Path(shutil.copytree(saved[1], tmp_path / "nan"))
     tensors = load_file(nan / "model.safetensors")
     tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(tensors, nan / "model.safetensors", metadata={"format": "pt"})
-    summary, said = cli(capsys, nan, tmp_path / "nan-package", "--ep", ep, "--cache-dir", cache)
+    summary, said = cli(capsys, nan, tmp_path / "nan-package", *flags, "--cache-dir", cache)
     assert summary["graph_cache"]["sessions"] == {"decoder": "hit"}, said
     assert "not replayed: weight model.layers.0.mlp.down_proj.weight: it holds a NaN" in said
     assert "replay: not recorded: weight " in said and said.count("it holds a NaN") == 2
@@ -228,7 +231,7 @@ def test_converted_cast_and_transposed_weights_replay_byte_identical(ep, tmp_pat
 
     monkeypatch.setattr(derived_weights, "derived_chunks", off_by_one_bit)
     assert "numpy does not make its bytes as torch did" in not_recorded_because(
-        capsys, bf16[0], tmp_path / "differs", "--ep", ep)
+        capsys, saved[0], tmp_path / "differs", *flags)
 
 
 @pytest.mark.slow
