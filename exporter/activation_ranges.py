@@ -102,6 +102,27 @@ def report_of(ranges: ActivationRanges | str) -> dict[str, Any]:
     return ranges.to_dict() if isinstance(ranges, ActivationRanges) else {"skipped": ranges}
 
 
+def risk_notes(ranges: ActivationRanges | str | None, scaling: dict[str, int], num_layers: int) -> list[str]:
+    """What the report says where an fp16 package may still overflow: calibration did not run, or
+    the pass scaled the stream only in part (``scaling``: its record). The largest activation
+    outside the stream is reported but gives no note: the outputs written into the stream (a
+    post-norm, an output projection) are the largest and shrink with its scale, and the run cannot
+    tell them from the rest."""
+    if ranges is None:
+        return []
+    if isinstance(ranges, str):
+        return [f"fp16 range not measured ({ranges}): the residual stream is not scaled, and the package may "
+                "overflow fp16 on other prompts than the sample prefill's"]
+    notes = []
+    partial = scaling.get("norms_rescaled", 0) < num_layers + 1 or scaling.get("unscaled_half_reads", 0)
+    if ranges.residual_exponent and partial:
+        notes.append(f"fp16 range: the residual stream (peak {ranges.residual_peak:.0f}) was scaled only in part "
+                     f"({scaling.get('norms_rescaled', 0)} norms for {num_layers} layers, "
+                     f"{scaling.get('unscaled_half_reads', 0)} half-precision reads left unscaled): the package may "
+                     "overflow fp16; export at --precision fp32 if its outputs are not finite")
+    return notes
+
+
 def measure(model: torch.nn.Module, decoder: torch.nn.Module, tokenizer: Any, weights: Any | None) -> ActivationRanges:
     """Run ``decoder`` (``model``'s causal LM, or ``model`` itself) in float32 on the calibration
     prompts and record its peaks. ``weights``: where the values of ``model``'s empty (meta)
@@ -185,8 +206,8 @@ def _float32_module_by_module(base, layers, inside_layers: set[int], model, weig
         prefix = names[id(module)]
         for kind, tensors in (("_parameters", module._parameters), ("_buffers", _saved_buffers(module))):
             for key, tensor in list(tensors.items()):
-                if tensor is None or not tensor.is_floating_point() and tensor.device.type != "meta":
-                    continue
+                if tensor is None or not tensor.is_floating_point():
+                    continue  # integer buffers (ids, counters) are read as they are
                 full_name = f"{prefix}.{key}" if prefix else key
                 values = _float32_values(tensor, full_name, weights)
                 originals.append((module, kind, key, tensor))
@@ -200,7 +221,7 @@ def _float32_module_by_module(base, layers, inside_layers: set[int], model, weig
     hooks = []
     tables: dict[int, torch.nn.Parameter] = {}
     outside = [m for m in base.modules() if id(m) not in inside_layers and not isinstance(m, torch.nn.Embedding)]
-    was_training = base.training
+    modes = {module: module.training for module in base.modules()}
     base.eval()
     try:
         for module in outside:
@@ -230,7 +251,8 @@ def _float32_module_by_module(base, layers, inside_layers: set[int], model, weig
             if id(module) in tables:  # a forward that raised between the two hooks
                 module._parameters["weight"] = tables.pop(id(module))
         restore(0)
-        base.train(was_training)
+        for module, training in modes.items():
+            module.training = training
 
 
 def _saved_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:

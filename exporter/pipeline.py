@@ -191,6 +191,8 @@ def export(
         session = SESSIONS[session_plan.name]
         models[session.name], readers[session.name], settings = _export_session(
             session, session_plan, prepared, settings, report, stages, cached_graphs)
+    report.notes += activation_ranges.risk_notes(ranges, report.onnx_pass_changes("scale_residual_stream"),
+                                                 settings.layout.num_layers)
     every_reader = [reader for session_readers in readers.values() for reader in session_readers]
     if loaded.weights is not None:
         report.notes += weights.account(loaded.weights, len(every_reader),

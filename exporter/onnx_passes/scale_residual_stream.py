@@ -272,8 +272,11 @@ class _Scaling:
         return True
 
     def _read_by_this_alone(self, value: ir.Value) -> bool:
-        return (value.is_initializer() and value.const_value is not None and _is_float(value)
-                and len(value.uses()) == 1 and not value.is_graph_output())
+        """A weight this node may take a scaled copy of: read by it alone, or a scalar (Granite's
+        ``residual_multiplier``, shared by every layer), whose copy costs nothing."""
+        if not (value.const_value is not None and _is_float(value) and not value.is_graph_output()):
+            return False
+        return len(value.uses()) == 1 or value.const_value.size <= 1
 
     def _scale_constant_inputs(self, node: ir.Node, stream: set[ir.Value]) -> None:
         """A constant added into the stream (a bias, a shared zero) is scaled for this node alone."""
@@ -309,6 +312,8 @@ class _Scaling:
             self._unscaled_values[value] = self._mul(value, self.exponent, prefix=_UNSCALE_PREFIX)
         node.replace_input_with(index, self._unscaled_values[value])
         self.unscaled_ops[node.op_type] += 1
+        if (value.dtype or self.dtype) in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            self.counts["unscaled_half_reads"] += 1  # read at its full size in half precision: may overflow
 
     def _unscale_graph_output(self, value: ir.Value) -> None:
         unscaled = self._mul(value, self.exponent, prefix=_UNSCALE_PREFIX)
