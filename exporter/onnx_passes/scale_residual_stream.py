@@ -32,6 +32,9 @@ from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes import common
+
+from exporter.onnx_passes.base import run_in_place
 
 @dataclasses.dataclass(frozen=True)
 class _Norm:
@@ -65,8 +68,8 @@ class ScaledWeight:
 
     def __call__(self) -> ir.TensorProtocol:
         values = self.tensor.numpy()
-        with np.errstate(over="ignore", under="ignore"):
-            scaled = (values.astype(np.float32) * np.float32(2.0 ** self.exponent)).astype(values.dtype)
+        with np.errstate(over="ignore", under="ignore"):  # in its dtype: no float32 copy of a large table
+            scaled = values * values.dtype.type(2.0 ** self.exponent)
         return ir.Tensor(scaled, name=self.name)
 
 
@@ -132,6 +135,21 @@ def _linear_links(node: ir.Node) -> list[ir.Value]:
     return [v for v in linked if _may_be_float(v) and not _is_constant(v)]
 
 
+def _final_norm(graph: ir.Graph, norms: list[ir.Node]) -> ir.Node:
+    """The norm the logits are computed from: the first met walking up from the graph's outputs
+    (the last norm in node order where none is met)."""
+    seen, frontier = set(), [v for v in graph.outputs if v.name == "logits"] or list(graph.outputs)
+    while frontier:
+        node = frontier.pop(0).producer()
+        if node is None or id(node) in seen:
+            continue
+        if node.op_type in _NORMS:
+            return node
+        seen.add(id(node))
+        frontier += [v for v in node.inputs if v is not None]
+    return norms[-1]
+
+
 class ScaleResidualStream:
     name = "scale_residual_stream"
 
@@ -147,7 +165,9 @@ class ScaleResidualStream:
         exponent = facts.residual_exponent
         if exponent == 0:
             return {"exponent": 0}
-        return _Scaling(model.graph, exponent).run()
+        changes = _Scaling(model.graph, exponent).run()
+        run_in_place(common.RemoveUnusedNodesPass(), model)  # a Constant whose scaled copy replaced it
+        return changes
 
 
 class _Scaling:
@@ -197,7 +217,7 @@ class _Scaling:
             links = _linear_links(node)
             for value in links[1:]:
                 union.join(links[0], value)
-        seed = norms[-1].inputs[0]
+        seed = _final_norm(self.graph, norms).inputs[0]
         self.dtype = seed.dtype
         if self.dtype not in _FLOATS:
             raise RuntimeError(f"scale_residual_stream: the last norm reads {seed.name} of dtype {seed.dtype}")
