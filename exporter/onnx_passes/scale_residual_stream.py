@@ -9,7 +9,7 @@ epsilon by ``s**2`` changes no output. With ``s`` a power of two, each scaled we
 exact in fp16 (unless it falls below fp16's normal range, 6.1e-5, where it loses low bits) and
 the pass adds no node where each write ends in a weight it can scale.
 
-The stream is found in the graph, not by family: the values joined to the last norm's input by
+The stream is found in the graph, not by family: the values joined to the final norm's input by
 ops that are linear in them (Add, Sub, a skip norm's sum, Concat, Split, Where's branches, Mul or
 Div by something outside the stream, reshapes, slices, float casts). Then, at its edges:
 - a value the stream starts from (a norm's output, a MatMul, a Mul by a constant, a Gather of a
@@ -207,7 +207,7 @@ class _Scaling:
         return dict(self.counts)
 
     def _stream(self) -> set[ir.Value]:
-        """The values joined by linear ops to the last norm's input."""
+        """The values joined by linear ops to the input of the norm the logits are computed from."""
         nodes = list(self.graph)
         norms = [n for n in nodes if n.op_type in _NORMS]
         if not norms:
