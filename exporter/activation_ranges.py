@@ -128,7 +128,7 @@ def measure(model: torch.nn.Module, decoder: torch.nn.Module, tokenizer: Any, we
     prompts and record its peaks. ``weights``: where the values of ``model``'s empty (meta)
     parameters are, by ``model``'s state_dict names; None where the model holds them."""
     base = decoder.base_model
-    layers = _decoder_layers(base)
+    layers = decoder_layers(base)
     layer_ids = {id(layer) for layer in layers}
     layer_peaks = [0.0] * len(layers)
     embedding_peak, other = [0.0], [0.0, ""]
@@ -175,7 +175,7 @@ def _peak(output) -> float:
     return float(tensor.detach().abs().max())
 
 
-def _decoder_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
+def decoder_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder's layer list: its longest ``ModuleList``."""
     lists = [m for m in base.modules() if isinstance(m, torch.nn.ModuleList)]
     if not lists:

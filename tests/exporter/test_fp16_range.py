@@ -20,7 +20,7 @@ from helpers.checkpoints import perturbed_preset_checkpoint, save_checkpoint
 from helpers.webgpu import WEBGPU, require_webgpu
 
 from exporter import activation_ranges, export
-from exporter.activation_ranges import FP16_MAX, measure
+from exporter.activation_ranges import FP16_MAX, decoder_layers, measure
 from exporter.check import check_package
 from exporter.check_against import compare_with_source
 from exporter.errors import ExporterError
@@ -42,7 +42,7 @@ def _amplify(model, tokenizer) -> float:
     whether stored as w or 1 + w), else the value and output projections of attention and the up
     and down projections of the MLP."""
     base = model.base_model
-    layers = max((m for m in base.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+    layers = decoder_layers(base)
     writers = []
     for layer in layers:
         children = dict(layer.named_children())
