@@ -9,8 +9,7 @@ profile's name.
 from ep_profiles.profile import (
     GROUP_QUERY_ATTENTION,
     PLAIN_ATTENTION,
-    WINDOW_BY_ATTRIBUTE,
-    WINDOW_BY_MASK,
+    AttentionKernel,
     EpProfile,
 )
 from ep_profiles.registry import PROFILES, get_profile
@@ -19,8 +18,7 @@ __all__ = [
     "GROUP_QUERY_ATTENTION",
     "PLAIN_ATTENTION",
     "PROFILES",
-    "WINDOW_BY_ATTRIBUTE",
-    "WINDOW_BY_MASK",
+    "AttentionKernel",
     "EpProfile",
     "get_profile",
 ]

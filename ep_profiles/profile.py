@@ -5,13 +5,53 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-# How a profile's sliding-window layers get their window (``EpProfile.sliding_window``).
-WINDOW_BY_ATTRIBUTE = "local_window_size"  # GroupQueryAttention's own attribute
-WINDOW_BY_MASK = "explicit_mask"  # attention over the window's KV slots, gathered and masked in the graph
-
 # What a profile's attention becomes (``EpProfile.attention_op``).
 GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 PLAIN_ATTENTION = ""  # transformers' own MatMul/Softmax attention
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """What an EP's ``com.microsoft.GroupQueryAttention`` kernel computes, as facts measured by
+    ``scripts/probe_attention_kernels.py`` where ``measured`` says so; the defaults assume a kernel
+    that honours every attribute (as ONNX Runtime 1.32's CPU kernel does) and nothing past it (no
+    fused norms, no quantized cache): a profile whose EP was never run here keeps them. The export plan routes a layer whose semantics the kernel would drop to a form
+    that keeps them; a fact here never names a pass.
+
+    window_in_every_call: ``local_window_size`` is honoured in every call ONNX Runtime GenAI makes:
+        over its shared past/present buffer, in a KV-shared layer's call (no new K/V) and under
+        graph capture. False: sliding layers attend over their window's slots in the graph.
+    softcap: the ``softcap`` attribute is honoured. False: soft-capped layers attend in the graph.
+    head_sink: the ``head_sink`` input (a per-head logit in the softmax's denominator) is honoured.
+    fused_qk_norm: the ``q_norm_weight``/``k_norm_weight`` inputs (per-head RMS norms before the
+        rotary, which they need) are honoured, with the epsilon of ``qk_norm_epsilon`` (WebGPU
+        reads no ``q_norm_epsilon``/``k_norm_epsilon``). ONNX Runtime's own session optimizer
+        folds such norms into the node where the EP takes them, so the exporter writes them as
+        norms.
+    kv_cache_bit_widths: the quantized KV caches the kernel runs (``kv_cache_bit_width``); empty:
+        only a cache in the activation dtype. (The exporter writes none yet.)
+    exact_query_rows: the most query rows (tokens per call) for which the kernel's output is
+        right on every adapter; None: any number. Where set, every layer attends in the graph
+        (prompts are longer than any such limit).
+    software_adapter_query_rows: the same limit where it holds on a software adapter only (Mesa's
+        lavapipe: a fault that moves with the adapter's subgroup size, not seen on a GPU). The plan
+        does not route by it (GPU users would pay for the adapter's fault); ``check`` feeds prompts
+        on such an adapter in chunks of this many tokens.
+    multi_head_attention_rows: the most query rows for which ``com.microsoft.MultiHeadAttention``
+        with an attention bias was right on the adapter ``measured`` names (on lavapipe the same
+        prefill kernel as GroupQueryAttention's fault; the exporter writes no MultiHeadAttention).
+    measured: where, when and on what the facts were measured; empty: not measured (the defaults).
+    """
+
+    window_in_every_call: bool = True
+    softcap: bool = True
+    head_sink: bool = True
+    fused_qk_norm: bool = False
+    kv_cache_bit_widths: tuple[int, ...] = ()
+    exact_query_rows: int | None = None
+    software_adapter_query_rows: int | None = None
+    multi_head_attention_rows: int | None = None
+    measured: str = ""
 
 
 @dataclass(frozen=True)
@@ -35,10 +75,7 @@ class EpProfile:
         "SkipSimplifiedLayerNormalization" (residual Add + RMSNorm).
     attention_rotary: whether GroupQueryAttention also applies the rotary embedding (``do_rotary``
         with cos/sin caches) where the model's rotary has transformers' rotate_half form.
-    sliding_window: how sliding-window layers get their window: ``WINDOW_BY_ATTRIBUTE``
-        (GroupQueryAttention's ``local_window_size``) or ``WINDOW_BY_MASK`` (for an EP whose
-        GroupQueryAttention ignores that attribute in some calls: attention over the window's slots
-        of the KV buffer, gathered and masked by the graph itself).
+    attention_kernel: what the EP's GroupQueryAttention kernel honours (``AttentionKernel``).
     max_buffer_size: the largest single weight the EP can hold, in bytes; None means no limit.
     past_present_share_buffer: whether generation shares one KV buffer between past and present
         (written to genai_config only when every layer's attention is GroupQueryAttention).
@@ -83,7 +120,7 @@ class EpProfile:
     attention_op_precisions: tuple[str, ...] = ()
     norm_fusions: tuple[str, ...] = ()
     attention_rotary: bool = True
-    sliding_window: str = WINDOW_BY_ATTRIBUTE
+    attention_kernel: AttentionKernel = AttentionKernel()
     max_buffer_size: int | None = None
     past_present_share_buffer: bool = False
     omit_unread_presents: bool = False
@@ -97,10 +134,13 @@ class EpProfile:
     int4_accuracy_level: int = 0
 
     def __post_init__(self):
-        if self.sliding_window not in (WINDOW_BY_ATTRIBUTE, WINDOW_BY_MASK):
-            raise ValueError(f"profile {self.name}: unknown sliding_window '{self.sliding_window}'")
         if self.graph_capture and not self.graph_capture_option:
             raise ValueError(f"profile {self.name}: graph_capture needs a graph_capture_option")
+
+    def capped_context(self, model_context: int) -> int:
+        """The positions a package allocates and generates to: the model's own, capped by
+        ``max_length`` (genai_config's context_length and search.max_length)."""
+        return model_context if self.max_length is None else min(model_context, self.max_length)
 
     @property
     def default_precision(self) -> str:

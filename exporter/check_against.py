@@ -1,13 +1,16 @@
 """``python -m exporter check PACKAGE --against SOURCE``: the package against transformers itself.
 
-For a few fixed prompts the package generates greedily with ONNX Runtime GenAI (CPU), keeping the
-logits each token was picked from. Then transformers runs the source on the same prompt and the
+For a few fixed prompts, and a long one that runs past every attention window of the model (and
+past 64 tokens), the package generates greedily with ONNX Runtime GenAI, keeping the logits each
+token was picked from: on the CPU EP, and with ``--ep X`` also on X where it is installed (an EP
+whose kernel drops a window or a softcap shows here, not on the CPU). Then transformers runs the source on the same prompt and the
 package's tokens (teacher forcing: one forward pass, so after a near tie both still see the same
 text) and the two are compared step by step, with the tolerances of the package's precision
 (``exporter.precisions``):
 
-- ``source_logits``: max |package logit - transformers logit| at every step;
-- ``source_tokens``: the package's token must be transformers' best, or part from it at a near tie
+- ``source_logits`` (``ep_source_logits`` on the EP): max |package logit - transformers logit| at
+  every step, the first failing one named by prompt, generated token and position;
+- ``source_tokens`` (``ep_source_tokens``): the package's token must be transformers' best, or part from it at a near tie
   (its transformers logit at most ``near_tie`` below the best); and a package that picks one token at
   every step from the first, where transformers picks it at most at half of them, fails whatever the
   margins (a degenerate repeat, such as ``<pad>`` forever, that near-tie bounds wide enough for a tiny
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 import transformers
 
+from ep_profiles import EpProfile
 from exporter.check import nonfinite
 from exporter.errors import ExporterError
 from exporter.layout import eval_mode
@@ -55,8 +59,11 @@ class Generation:
     logits: list[np.ndarray]  # the logits each token was picked from
 
 
-def greedy_with_logits(package: Path, prompts: list[list[int]], new_tokens: int, on_cpu: bool = True) -> list[Generation]:
-    """ONNX Runtime GenAI's greedy generation of each prompt, with the logits of every step."""
+def greedy_with_logits(package: Path, prompts: list[list[int]], new_tokens: int, on_cpu: bool = True,
+                       chunk: int | None = None) -> list[Generation]:
+    """ONNX Runtime GenAI's greedy generation of each prompt, with the logits of every step;
+    ``chunk``: the prompt appended in pieces of at most that many tokens (as a chat appends turns),
+    for an adapter whose attention kernel is wrong on more query rows at once."""
     import onnxruntime_genai as og
 
     from exporter.ep_runtime import genai_config
@@ -71,7 +78,9 @@ def greedy_with_logits(package: Path, prompts: list[list[int]], new_tokens: int,
         params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False, repetition_penalty=1.0,
                                   min_length=0)
         generator = og.Generator(model, params)
-        generator.append_tokens(np.array([prompt], dtype=np.int32))
+        step = chunk or len(prompt)
+        for start in range(0, len(prompt), step):
+            generator.append_tokens(np.array([prompt[start:start + step]], dtype=np.int32))
         logits = []
         while not generator.is_done():
             generator.generate_next_token()  # runs the model on the last token, then picks from its logits
@@ -114,64 +123,137 @@ def reference_model(source: Any, trust_remote_code: bool = False) -> transformer
     return model.eval()
 
 
-def prompt_ids(tokenizer, context_length: int, new_tokens: int) -> list[list[int]]:
-    """The fixed prompts in the package's tokenizer, cut to leave room for the new tokens."""
+# Prose for the long prompt, repeated until it is long enough.
+LONG_TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+             "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, "
+             "it was the season of Darkness, it was the spring of hope, it was the winter of despair. ")
+# The long prompt runs past every window of the model by this many tokens, and is at least
+# LONG_PROMPT_MIN tokens: past the 32-row tiles attention kernels switch to (WebGPU's was wrong there).
+PAST_THE_WINDOW = 16
+LONG_PROMPT_MIN = 64
+
+
+def prompt_ids(tokenizer, context_length: int, new_tokens: int, windows: tuple[int, ...] = ()) -> list[list[int]]:
+    """The fixed prompts in the package's tokenizer, then a long prompt of prose that runs
+    ``PAST_THE_WINDOW`` tokens past the largest of ``windows`` (sliding windows, attention chunks),
+    each cut to leave room for the new tokens."""
     room = max(1, context_length - new_tokens)
-    return [list(tokenizer(text)["input_ids"])[:room] for text in PROMPTS]
+    prompts = [list(tokenizer(text)["input_ids"])[:room] for text in PROMPTS]
+    length = min(room, max((*windows, LONG_PROMPT_MIN - PAST_THE_WINDOW)) + PAST_THE_WINDOW)
+    text = LONG_TEXT
+    while len(ids := list(tokenizer(text)["input_ids"])) < length:
+        text += LONG_TEXT
+    return [*prompts, ids[:length]]
+
+
+def attention_windows(package: Path, source: Any, trust_remote_code: bool = False) -> tuple[int, ...]:
+    """The model's attention windows: the sliding window and attention chunk of the source's
+    config (read without its weights), and the ``sliding_window`` section of the package's
+    genai_config (other exporters write one)."""
+    from exporter.layout import text_config
+    from exporter.presets import PRESETS
+
+    windows = []
+    decoder = json.loads((package / "genai_config.json").read_text())["model"]["decoder"]
+    windows.append((decoder.get("sliding_window") or {}).get("window_size"))
+    config = None
+    if isinstance(source, transformers.PreTrainedModel):
+        config = source.config
+    elif str(source) in PRESETS:
+        config = PRESETS[str(source)].make_config()
+    elif Path(str(source)).expanduser().is_dir():
+        try:
+            config = transformers.AutoConfig.from_pretrained(Path(str(source)).expanduser(),
+                                                             trust_remote_code=trust_remote_code)
+        except Exception:  # reference_model says what is wrong with the folder
+            config = None
+    if config is not None:
+        config = text_config(config)
+        windows += [getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)]
+    return tuple(int(w) for w in windows if isinstance(w, int) and w > 0)
 
 
 def compare_with_source(package: Path, source: Any, precision: str, new_tokens: int = NEW_TOKENS,
-                        trust_remote_code: bool = False) -> list[tuple[str, bool, str]]:
-    """(check, passed, detail) for ``source_logits`` and ``source_tokens``."""
+                        trust_remote_code: bool = False, profile: EpProfile | None = None) -> list[tuple[str, bool, str]]:
+    """(check, passed, detail) for ``source_logits`` and ``source_tokens`` (the package on the CPU
+    EP); with a ``profile`` whose EP is not the CPU, also ``ep_source_logits`` and
+    ``ep_source_tokens`` (the package on that EP, where it is installed; skipped where not: the
+    detail then starts with "not run")."""
+    from exporter.ep_runtime import EpUnavailable, prompt_chunk, register
+
     package = Path(package)
     config = json.loads((package / "genai_config.json").read_text())
     tokenizer = _package_tokenizer(package)
-    prompts = prompt_ids(tokenizer, config["model"]["context_length"], new_tokens)
-    generations = greedy_with_logits(package, prompts, new_tokens)
-    gc.collect()  # the package's session goes before the reference comes
+    windows = attention_windows(package, source, trust_remote_code)
+    prompts = prompt_ids(tokenizer, config["model"]["context_length"], new_tokens, windows)
+    runs = {"": greedy_with_logits(package, prompts, new_tokens)}
+    skipped = chunk = None
+    if profile is not None and profile.genai_provider:
+        try:
+            register(profile, genai=True)
+            chunk = prompt_chunk(profile)
+            runs["ep_"] = greedy_with_logits(package, prompts, new_tokens, on_cpu=False, chunk=chunk)
+        except EpUnavailable as error:
+            skipped = f"not run: {error}"
+    gc.collect()  # the package's sessions go before the reference comes
 
     model = reference_model(source, trust_remote_code)
     tolerance = PRECISIONS.get(precision, PRECISIONS["fp32"])
+    results = []
+    for prefix, generations in runs.items():
+        where = f" on {profile.ort_provider}" if prefix else ""
+        if prefix and chunk:
+            where += f" (a software adapter: prompts fed {chunk} tokens at a time)"
+        results += _against_reference(model, generations, tokenizer, tolerance, precision, source, where, prefix)
+    if skipped:
+        results += [("ep_source_logits", True, skipped), ("ep_source_tokens", True, skipped)]
+    return results
+
+
+def _against_reference(model, generations: list[Generation], tokenizer, tolerance, precision: str, source: Any,
+                         where_run: str, prefix: str) -> list[tuple[str, bool, str]]:
     worst, logit_failure, token_failure, near_ties = 0.0, None, None, 0
     for number, generation in enumerate(generations, start=1):
         reference = teacher_forced_logits(model, generation.prompt, generation.tokens)
         for step, (got, want) in enumerate(zip(generation.logits, reference, strict=True)):
             where = f"prompt {number}, generated token {step} (position {len(generation.prompt) + step})"
             if want.shape != got.shape:
-                return [("source_logits", False, (f"the package has {got.shape[-1]} logits, "
-                                                  f"transformers {want.shape[-1]}: not the same vocabulary"))]
+                return [(f"{prefix}source_logits", False, (f"the package has {got.shape[-1]} logits, "
+                                                           f"transformers {want.shape[-1]}: not the same vocabulary"))]
             unusable = [f"{whose} logits are not finite: {counts}"
                         for whose, values in (("the package's", got), ("transformers'", want)) if (counts := nonfinite(values))]
             if unusable:  # nothing to compare, and the token was picked from them
-                failure = f"at {where} {'; '.join(unusable)}"
+                failure = f"at {where}{where_run} {'; '.join(unusable)}"
                 logit_failure, token_failure = logit_failure or failure, token_failure or failure
                 continue
             difference = float(np.abs(got - want).max())
             worst = max(worst, difference)
             if difference > tolerance.source_logits and logit_failure is None:
-                logit_failure = (f"at {where} the logits differ from transformers' by {difference:.3g} "
+                logit_failure = (f"at {where}{where_run} the logits differ from transformers' by {difference:.3g} "
                                  f"(tolerance {tolerance.source_logits} for {precision})")
         if token_failure is None and (repeat := degenerate_repeat(reference, generation.tokens)):
             token, picked = repeat
-            token_failure = (f"at prompt {number} the package picks {token} {tokenizer.decode([token])!r} at every step "
-                             f"from generated token 0 ({len(generation.tokens)} steps), transformers at {picked} of them: "
-                             "a degenerate repeat")
+            token_failure = (f"at prompt {number}{where_run} the package picks {token} {tokenizer.decode([token])!r} at "
+                             f"every step from generated token 0 ({len(generation.tokens)} steps), transformers at "
+                             f"{picked} of them: a degenerate repeat")
         for departure in departures(reference, generation.tokens):
             where = f"prompt {number}, generated token {departure.step} (position {len(generation.prompt) + departure.step})"
             if departure.margin <= tolerance.source_near_tie:
                 near_ties += 1
             elif token_failure is None:
                 token, best = departure.token, departure.best
-                token_failure = (f"at {where} the package picks {token} {tokenizer.decode([token])!r} where "
+                token_failure = (f"at {where}{where_run} the package picks {token} {tokenizer.decode([token])!r} where "
                                  f"transformers picks {best} {tokenizer.decode([best])!r}, {departure.margin:.3g} apart "
                                  f"(near-tie bound {tolerance.source_near_tie} for {precision})")
     steps = sum(len(g.tokens) for g in generations)
-    checked = f"{len(generations)} prompts, {steps} greedy steps against {_describe(source)}"
+    longest = max(len(g.prompt) for g in generations)
+    checked = (f"{len(generations)} prompts (the longest {longest} tokens), {steps} greedy steps{where_run} "
+               f"against {_describe(source)}")
     tie_note = f"; {near_ties} near ties within {tolerance.source_near_tie}" if near_ties else ""
     return [
-        ("source_logits", logit_failure is None,
+        (f"{prefix}source_logits", logit_failure is None,
          logit_failure or f"{checked}: max |logit difference| {worst:.3g} (tolerance {tolerance.source_logits} for {precision})"),
-        ("source_tokens", token_failure is None,
+        (f"{prefix}source_tokens", token_failure is None,
          token_failure or f"{checked}: the package's greedy tokens are transformers'{tie_note}"),
     ]
 
@@ -212,9 +294,11 @@ def teacher_forced_logits(model, prompt: list[int], tokens: list[int]) -> list[n
     (one forward pass, so after a near tie both still see the same text)."""
     ids = torch.tensor([prompt + tokens[:-1]])
     with eval_mode(model):
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-    first = len(prompt) - 1
-    return [row.numpy() for row in logits[first : first + len(tokens)]]
+        try:  # only the steps' logits: a long prompt's full logits would be prompt x vocabulary floats
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=len(tokens)).logits
+        except TypeError:  # a model (remote code) without logits_to_keep
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    return [row.numpy() for row in logits[0, -len(tokens):].float()]
 
 
 def _package_tokenizer(package: Path):

@@ -58,6 +58,26 @@ def register(profile: EpProfile, genai: bool = False) -> None:
         _registered.add(("genai", profile.ort_provider))
 
 
+def software_adapter(profile: EpProfile) -> bool:
+    """Whether the profile's EP runs on a software adapter here (WebGPU on Mesa's lavapipe: ONNX
+    Runtime lists its device as a CPU); False for EPs built into onnxruntime."""
+    if not profile.ort_plugin:
+        return False
+    import onnxruntime as ort
+
+    register(profile)
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == profile.ort_provider]
+    return bool(devices) and devices[0].device.type == ort.OrtHardwareDeviceType.CPU
+
+
+def prompt_chunk(profile: EpProfile) -> int | None:
+    """The most tokens to append at once on this machine's adapter for the profile's EP: the
+    kernel's ``software_adapter_query_rows`` where the EP runs on a software adapter, else None
+    (the whole prompt)."""
+    chunk = profile.attention_kernel.software_adapter_query_rows
+    return chunk if chunk and software_adapter(profile) else None
+
+
 def inference_session(model_path: Path, profile: EpProfile, provider_options: dict[str, str]):
     """An ONNX Runtime session on the profile's EP that records where each node runs; raises
     EpUnavailable if this onnxruntime cannot offer the EP."""

@@ -36,9 +36,7 @@ def _token_ids(value) -> int | list[int] | None:
 def chosen_context_length(layout: DecoderLayout, profile: EpProfile) -> int:
     """genai_config's context_length and search.max_length: the model's own, capped by the
     profile's max_length (the EP's default cap, or --max-length)."""
-    if profile.max_length is None:
-        return layout.context_length
-    return min(layout.context_length, profile.max_length)
+    return profile.capped_context(layout.context_length)
 
 
 def build_genai_config(

@@ -38,6 +38,9 @@ class DecoderLayout:
     sliding_window: int | None
     num_kv_shared_layers: int
     experts_modules: int = 0  # modules holding every expert's weights stacked (mixtures of experts)
+    # The config's attention logit softcap (Gemma 2's attn_logit_softcapping), known before the
+    # trace; the graph itself says which layers apply it.
+    attention_softcap: float | None = None
 
     @property
     def kv_layer_indices(self) -> tuple[int, ...]:
@@ -105,6 +108,7 @@ def derive_layout(model: PreTrainedModel) -> DecoderLayout:
         sliding_window=int(config.sliding_window) if has_sliding and config.sliding_window else None,
         num_kv_shared_layers=num_layers - len(kv_layers),
         experts_modules=sum(1 for module in model.modules() if holds_stacked_experts(module)),
+        attention_softcap=float(softcap) if (softcap := getattr(config, "attn_logit_softcapping", None)) else None,
     )
 
 

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from ep_profiles import EpProfile, get_profile
-from ep_profiles.profile import WINDOW_BY_MASK
 from ep_profiles.registry import UnknownProfileError
 from exporter import activation_ranges, destination, graph_cache, package, postconditions, translation_ready, weights
 from exporter.errors import ExporterBug, ExporterError, environment_error
@@ -432,9 +431,12 @@ def _stage(step: str, session, settings: ExportSettings) -> str:
 
 def _counts_in_float32(settings: ExportSettings) -> bool:
     """Whether the decoder counts tokens or compares position ids in float32 on the device: the
-    captured last-token choice, and the sliding-window attention over explicit slots."""
-    windowed = settings.profile.sliding_window == WINDOW_BY_MASK and settings.layout.sliding_window is not None
-    return settings.graph_capture or windowed
+    captured last-token choice, and attention over explicit slots (sliding layers, soft-capped
+    layers, where the kernel drops the window or the softcap)."""
+    kernel, layout = settings.profile.attention_kernel, settings.layout
+    in_graph = ((not kernel.window_in_every_call and layout.sliding_window is not None)
+                or (not kernel.softcap and layout.attention_softcap is not None) or kernel.exact_query_rows is not None)
+    return settings.graph_capture or in_graph
 
 
 def _with_max_length(profile: EpProfile, max_length: int | None, layout: DecoderLayout) -> EpProfile:

@@ -27,7 +27,6 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
-from ep_profiles import WINDOW_BY_MASK
 from fx_passes import markers  # noqa: F401  (registers the marker op)
 from fx_passes.attention_cores import (
     AttentionCore,
@@ -82,18 +81,18 @@ class SubstituteGroupQueryAttention:
             if limit is not None:  # counted at fp32, the caches' widest form
                 limit //= 4
             rotary = _RotaryCaches(program, layout.context_length, limit)
-        window_by_mask = context.profile.sliding_window == WINDOW_BY_MASK
+        kernel = context.profile.attention_kernel
         # (window, KV heads, head size, query heads per KV head) -> the slots its layers share
         window_slots: dict[tuple[int, int, int, int], tuple[Node, Node]] = {}
         position_ids = None  # read once, by the first window layer that rotates its queries
-        shared = rotated = masked = 0
+        shared = rotated = masked = full_span = 0
         for core, window in zip(cores, windows, strict=True):
             key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
             if core.layer in plain:
                 continue
-            # The EP's GroupQueryAttention cannot be trusted with this window: it still writes the
-            # cache (owners), but the attention itself reads the window's slots of the buffer.
-            mask_window = window_by_mask and window > 0
+            # Where the EP's GroupQueryAttention would drop what this layer computes, it still writes
+            # the cache (owners), but the attention itself reads the buffer's slots in the graph.
+            graph_window = _graph_window(core, window, kernel, context.profile.capped_context(layout.context_length))
             owner = key_cat not in presents
             heads = int(core.query.meta["val"].shape[1])
             kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])
@@ -113,7 +112,7 @@ class SubstituteGroupQueryAttention:
                     key = _heads_last(graph, new_key, key_rotary)
                     value = _heads_last(graph, value_cat.args[0][1])
                     past_key, past_value = key_cat.args[0][0], value_cat.args[0][0]
-                    if mask_window:  # only the cache it writes is read: its attention, one head per KV head
+                    if graph_window:  # only the cache it writes is read: its attention, one head per KV head
                         marker = _call(graph, _GQA, key, key, value, past_key, past_value, attention_mask,
                                        kv_heads, kv_heads, core.scale, core.softcap, 0, *caches)
                     else:
@@ -123,22 +122,23 @@ class SubstituteGroupQueryAttention:
                 else:
                     present_key, present_value = presents[key_cat], presents[value_cat]
                     shared += 1
-                    if not mask_window:
+                    if not graph_window:
                         empty = _no_tokens(graph, query, kv_heads * head)
                         marker = _call(graph, _GQA, query, empty, empty, present_key, present_value, attention_mask,
                                        heads, kv_heads, core.scale, core.softcap, window, *caches)
                         output = _call(graph, operator.getitem, marker, 0)
-                if mask_window:
+                if graph_window:
                     if caches:  # the window attention takes its queries rotated, by one ONNX Runtime kernel
                         position_ids = position_ids or user_input(program, "position_ids")
                         query = _call(graph, _ROTARY, query, position_ids, *caches, heads)
-                    shape = (window, kv_heads, head, heads // kv_heads)
+                    shape = (graph_window, kv_heads, head, heads // kv_heads)
                     if shape not in window_slots:  # the first such layer's query gives the shape
                         slots = _call(graph, _WINDOW_SLOTS, query, attention_mask, *shape)
                         window_slots[shape] = tuple(_call(graph, operator.getitem, slots, i) for i in range(2))
                     output = _call(graph, _WINDOWED, query, present_key, present_value, *window_slots[shape],
                                    heads, core.scale, core.softcap)
                     masked += 1
+                    full_span += graph_window != window
             if owner:
                 for concat, present in ((key_cat, present_key), (value_cat, present_value)):
                     concat.replace_all_uses_with(present, delete_user_cb=lambda user: user.op == "output")
@@ -161,16 +161,32 @@ class SubstituteGroupQueryAttention:
             "soft_capped_layers": sum(1 for c in cores if c.softcap),
             "rotary_in_attention_layers": rotated,
             "window_mask_layers": masked,
+            "full_span_layers": full_span,
             "substituted_layers": [c.layer for c in cores if c.layer not in plain],
             "plain_layers": plain,
         }
 
     def note(self, changes: dict) -> str | None:
-        if not changes.get("plain_layers"):
-            return None
-        return (f"{len(changes['plain_layers'])} of {changes['layers']} layers keep transformers' attention, not "
-                f"GroupQueryAttention ({describe_plain_layers(changes['plain_layers'])}); past and present KV are "
-                "separate buffers")
+        notes = []
+        if changes.get("plain_layers"):
+            notes.append(f"{len(changes['plain_layers'])} of {changes['layers']} layers keep transformers' attention, "
+                         f"not GroupQueryAttention ({describe_plain_layers(changes['plain_layers'])}); past and "
+                         "present KV are separate buffers")
+        if changes.get("full_span_layers"):
+            notes.append(f"{changes['full_span_layers']} full-attention layers attend in the graph over every slot of "
+                         "the KV buffer (max_length of them) at each step: the EP's GroupQueryAttention would not "
+                         "compute them as the model does (a softcap it drops, or more query rows than it is exact for)")
+        return "; ".join(notes) or None
+
+
+def _graph_window(core: AttentionCore, window: int, kernel, slots: int) -> int:
+    """The window a layer attends through in the graph (``window_attention`` over the KV buffer's
+    slots), 0 where the EP's GroupQueryAttention computes the layer as it is. A full-attention
+    layer that must attend in the graph gets a window of every slot of the buffer (``slots``, the
+    positions GenAI allocates): exact, at the cost of reading them all at every step."""
+    keeps = ((window == 0 or kernel.window_in_every_call) and (not core.softcap or kernel.softcap)
+             and kernel.exact_query_rows is None)
+    return 0 if keeps else window or slots
 
 
 def describe_plain_layers(plain: dict) -> str:

@@ -9,6 +9,7 @@ ONNX Runtime GenAI on CPU: time to first token for given prompt lengths and deco
     python scripts/benchmark.py --transposed-matmul   # weights read as stored vs transposed copies
     python scripts/benchmark.py --kv-shared-attention # KV-shared layers: GroupQueryAttention vs MatMul/Softmax
     python scripts/benchmark.py tiny-gemma-4 --graph-capture   # WebGPU decode, graph capture on vs off
+    python scripts/benchmark.py tiny-gemma2 --attention-routing --prompt-lengths 24   # WebGPU attention routing
     python scripts/benchmark.py tiny-gemma-4 --max-lengths 1024 8192   # WebGPU decode at each max_length
     python scripts/benchmark.py --reexport            # re-export with other weights: graph cache (and the
                                                       # command line's replay) vs none
@@ -67,6 +68,9 @@ def parse_args() -> argparse.Namespace:
                         help="re-export another checkpoint of the model (a save_pretrained folder, and the model in "
                              "memory after a training step) with the graph cache vs without: wall seconds, "
                              "alternating, and whether the packages are byte-identical")
+    parser.add_argument("--attention-routing", action="store_true",
+                        help="WebGPU decode with attention as shipped vs GroupQueryAttention trusted with a softcap "
+                             "(before) vs every layer attending in the graph, graph capture on")
     parser.add_argument("--graph-capture", action="store_true",
                         help="WebGPU EP (needs onnxruntime-ep-webgpu and an adapter): TTFT and decode with graph "
                              "capture on vs off (--no-graph-capture)")
@@ -75,7 +79,7 @@ def parse_args() -> argparse.Namespace:
                              "--max-length N, generating under their own max_length (GenAI then allocates N KV "
                              "slots), a table per --prompt-lengths; the model's context is raised to the largest N "
                              "where it is shorter")
-    parser.add_argument("--precision", default="fp16", help="the --max-lengths packages' precision (default fp16)")
+    parser.add_argument("--precision", default="fp16", help="the --max-lengths and --attention-routing packages' precision (default fp16)")
     return parser.parse_args()
 
 
@@ -372,6 +376,42 @@ def benchmark_graph_capture(args) -> None:
             f"WebGPU EP fp32, {length}-token prompt, "
             f"{args.decode_tokens} decoded tokens (median of {args.repeats}, alternating)",
             "variant", packages, results, "capture off", "off", ("ONNX nodes", _nodes))
+
+
+def benchmark_attention_routing(args) -> None:
+    """WebGPU packages whose attention the plan routes by the profile's kernel facts, alternating
+    in one run with graph capture on: as shipped; as before those facts, with GroupQueryAttention
+    trusted with a softcap (it drops it: wrong, shown for its speed); and with every layer attending
+    in the graph over the KV buffer's slots (what routing around the lavapipe fault from 32 query
+    rows would cost: a full-attention layer reads max_length slots at every step)."""
+    import dataclasses
+
+    from ep_profiles import get_profile
+    from exporter.ep_runtime import register
+    from exporter.sources import load
+
+    webgpu = get_profile("webgpu")
+    register(webgpu, genai=True)
+
+    def told(**facts):
+        return dataclasses.replace(webgpu, attention_kernel=dataclasses.replace(webgpu.attention_kernel, **facts))
+
+    loaded = load(args.model)
+    variants = {"as shipped": webgpu, "softcap trusted to the kernel (before)": told(softcap=True),
+                "every layer in the graph": told(exact_query_rows=31)}
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = {}
+        for number, (variant, profile) in enumerate(variants.items()):
+            print(f"exporting for webgpu, {variant} ...", file=sys.stderr, flush=True)
+            packages[variant] = export(loaded.model, loaded.tokenizer, ep=profile, precision=args.precision,
+                                       output_dir=Path(scratch) / str(number))
+        for length in args.prompt_lengths:
+            results = alternating_generation(packages, length, args.decode_tokens, args.repeats, search_max_length=0)
+            print_generation_table(
+                f"WebGPU attention routing, {args.model}, ONNX Runtime GenAI on the WebGPU EP with graph capture, "
+                f"{args.precision}, {length}-token prompt, {args.decode_tokens} decoded tokens (median of "
+                f"{args.repeats}, alternating)", "variant", packages, results, "as shipped", "as shipped",
+                ("ONNX nodes", _nodes))
 
 
 def benchmark_max_length(args) -> None:
@@ -688,6 +728,9 @@ def main() -> None:
         return
     if args.attention:
         benchmark_attention(args)
+        return
+    if args.attention_routing:
+        benchmark_attention_routing(args)
         return
     if args.graph_capture:
         benchmark_graph_capture(args)

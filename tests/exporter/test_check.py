@@ -75,12 +75,35 @@ def test_ep_generation_may_part_only_at_a_near_tie():
     from exporter.check import _compare_generations
 
     logits = [np.array([0.0, 5.0, 4.9, 1.0]), np.array([3.0, 0.0, 0.0, 2.0])]
-    assert _compare_generations([1, 0], logits, [1, 0], "fp32") == (True, "")
-    agree, why = _compare_generations([1, 0], logits, [2, 3], "fp16")  # step 0: 5.0 vs 4.9
+    agree, why = _compare_generations([1, 0], logits, [1, 0], logits, "fp32")
+    assert agree and "logits within 0 of the CPU's over 2 steps" in why
+    agree, why = _compare_generations([1, 0], logits, [2, 3], logits, "fp16")  # step 0: 5.0 vs 4.9
     assert agree and "near tie" in why
-    agree, why = _compare_generations([1, 0], logits, [1, 3], "fp16")  # step 1: 3.0 vs 2.0
+    agree, why = _compare_generations([1, 0], logits, [1, 3], logits, "fp16")  # step 1: 3.0 vs 2.0
     assert not agree and "from step 1" in why
-    assert not _compare_generations([1, 0], logits, [2, 3], "fp32")[0]
+    assert not _compare_generations([1, 0], logits, [2, 3], logits, "fp32")[0]
+
+
+@pytest.mark.l1
+def test_ep_logits_must_match_the_cpu_while_tokens_agree():
+    """Same tokens are not enough: an EP kernel that drops a softcap or a window moves the logits
+    long before it flips a greedy token. The failure names the step."""
+    import numpy as np
+
+    from exporter.check import _compare_generations
+
+    cpu = [np.array([0.0, 5.0, 1.0]), np.array([3.0, 0.0, 2.0])]
+    drifted = [cpu[0] + 0.0005, cpu[1] + np.array([0.0, 0.0, 0.012])]
+    agree, why = _compare_generations([1, 0], cpu, [1, 0], drifted, "fp32")
+    assert not agree and "logits at step 1 differ from the CPU's by 0.012, over 0.001 for fp32" in why
+    assert _compare_generations([1, 0], cpu, [1, 0], drifted, "fp16")[0]
+    # Past the step where the tokens part the contexts differ: those logits are not compared.
+    tie = [cpu[0], np.array([0.0, 5.0, 4.9]), np.array([3.0, 0.0, 2.0])]
+    far = [*tie[:2], tie[2] + np.array([9.0, 0.0, 0.0])]  # step 2 follows another token: not comparable
+    agree, why = _compare_generations([1, 1, 0], tie, [1, 2, 0], far, "fp16")
+    assert agree and "from step 1 on, a near tie" in why and "over 2 steps" in why
+    # Tokens only (a multimodal prompt on a software adapter): the logits are not read.
+    assert _compare_generations([1, 0], cpu, [1, 0], None, "fp32") == (True, "")
 
 
 def test_an_op_on_a_type_its_schema_refuses_fails(preset_exports, tmp_path, capsys):
@@ -99,3 +122,36 @@ def test_an_op_on_a_type_its_schema_refuses_fails(preset_exports, tmp_path, caps
     out = capsys.readouterr().out
     assert f"FAIL  types             ops on types their ONNX schema does not allow: decoder: Mul {mul.name} with T " \
            "bound to tensor(float) and tensor(bfloat16)" in out, out
+
+
+@pytest.mark.l3
+def test_a_prompt_fed_in_chunks_gives_the_whole_prompts_logits(preset_exports):
+    """What ``check`` does on a software adapter (prompts 31 tokens at a time) computes what the
+    whole prompt does, here on the CPU EP past Gemma 2's window of 8: chunks of 5 over 24 tokens."""
+    import numpy as np
+
+    from exporter.check_against import greedy_with_logits
+
+    package = preset_exports.get("tiny-gemma2").package.path
+    prompt = [(7 * i + 3) % 500 + 5 for i in range(24)]
+    whole = greedy_with_logits(package, [prompt], 6)[0]
+    chunked = greedy_with_logits(package, [prompt], 6, chunk=5)[0]
+    assert chunked.tokens == whole.tokens
+    for got, want in zip(chunked.logits, whole.logits, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, equal_nan=False)
+
+
+@pytest.mark.l1
+def test_check_against_prompts_run_past_every_window(preset_exports):
+    """The long prompt runs 16 tokens past the source's window (and past 64 tokens), read from the
+    source's config without its weights."""
+    import transformers
+
+    from exporter.check_against import LONG_PROMPT_MIN, PAST_THE_WINDOW, attention_windows, prompt_ids
+
+    package = preset_exports.get("tiny-gemma2").package.path
+    assert attention_windows(package, "tiny-gemma2") == (8,)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(package)
+    assert len(prompt_ids(tokenizer, 2048, 16, (8,))[-1]) == LONG_PROMPT_MIN
+    assert len(prompt_ids(tokenizer, 2048, 16, (200,))[-1]) == 200 + PAST_THE_WINDOW
+    assert len(prompt_ids(tokenizer, 100, 16, (200,))[-1]) == 84  # no further than the context leaves room

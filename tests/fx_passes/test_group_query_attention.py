@@ -121,19 +121,25 @@ ROTARY = torch.ops.genai_exporter.rotary_embedding.default
 @pytest.mark.l2
 @pytest.mark.parametrize("name", ["tiny-gemma-4", "tiny-gemma2"])
 def test_window_mask_profile_keeps_results(name):
-    """A profile whose GroupQueryAttention cannot be trusted with windows (webgpu): sliding layers
-    attend through ``window_attention`` over the window's slots of the cache buffer; owners still write it with
+    """A profile whose GroupQueryAttention cannot be trusted with windows or softcaps (webgpu):
+    sliding layers attend through ``window_attention`` over the window's slots of the cache buffer,
+    and soft-capped full layers (Gemma 2) over every slot of it; owners still write it with
     GroupQueryAttention (no window), KV-shared sliding layers have no GroupQueryAttention."""
     layout, program, cases, before, changes = _substituted(name, profile=get_profile("webgpu"))
     targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
-    sliding = changes["sliding_window_layers"]
-    assert sliding > 0 and changes["window_mask_layers"] == sliding == targets.count(WINDOWED)
-    assert targets.count(WINDOW_SLOTS) == 1  # one window and KV shape: its slots are computed once per step
+    sliding, full_span = changes["sliding_window_layers"], changes["full_span_layers"]
+    assert full_span == (2 if name == "tiny-gemma2" else 0)  # Gemma 2's two full layers are soft-capped
+    assert sliding > 0 and changes["window_mask_layers"] == sliding + full_span == targets.count(WINDOWED)
+    # One span per window and KV shape, computed once per step: the sliding window's, and the
+    # buffer's (the context GenAI allocates) for full-span layers.
+    windows = sorted(n.args[2] for n in program.graph.nodes if n.target is WINDOW_SLOTS)
+    assert windows == [layout.sliding_window] + ([get_profile("webgpu").capped_context(layout.context_length)]
+                                                 if full_span else [])
     # Sliding owners' GroupQueryAttention only writes the cache: one head per KV head, the key as query.
     writers = [n for n in program.graph.nodes if n.target is GQA and not any(u.args[1] == 0 for u in n.users)]
     assert writers and all(n.args[0] is n.args[1] and n.args[6] == n.args[7] for n in writers)
     if name == "tiny-gemma-4":  # queries rotated by ONNX Runtime's RotaryEmbedding, keys by GroupQueryAttention
-        assert targets.count(ROTARY) == sliding
+        assert targets.count(ROTARY) == sliding + full_span
         assert changes["rotary_in_attention_layers"] == layout.num_layers
     types = build_preset(name)[0].config.layer_types
     sliding_shared = sum(1 for i in layout.shared_layer_indices if types[i] == "sliding_attention")
@@ -153,7 +159,8 @@ def test_substitution_reads_each_model_from_its_graph():
     assert sorted(k for k in program.state_dict if k.startswith("rotary_")) == [
         "rotary_0.cos_cache", "rotary_0.sin_cache", "rotary_1.cos_cache", "rotary_1.sin_cache"]
     assert gemma4 == {"layers": 10, "kv_shared_layers": 4, "sliding_window_layers": 8, "soft_capped_layers": 0,
-                      "rotary_in_attention_layers": 10, "window_mask_layers": 0, "substituted_layers": list(range(10)),
+                      "rotary_in_attention_layers": 10, "window_mask_layers": 0, "full_span_layers": 0,
+                      "substituted_layers": list(range(10)),
                       "plain_layers": {}}
     layout, program, *_, gemma2 = _substituted("tiny-gemma2")
     assert (gemma2["sliding_window_layers"], gemma2["soft_capped_layers"]) == (2, 4)
@@ -225,3 +232,22 @@ def test_rotary_stays_outside_attention_for_head_sizes_ort_cannot_rotate():
     program, records = run_fx_passes(program, [FX_PASSES[n] for n in PASSES], context)
     assert records[-1].changes["layers"] == 2
     assert records[-1].changes["rotary_in_attention_layers"] == 0
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize(("facts", "window", "softcap", "expected"), [
+    ({}, 8, 50.0, 0),  # a kernel that honours both: GroupQueryAttention takes the layer
+    ({"window_in_every_call": False}, 8, 0.0, 8),  # the window is dropped: the graph's own over 8 slots
+    ({"window_in_every_call": False}, 0, 0.0, 0),  # a full layer without softcap keeps the kernel
+    ({"softcap": False}, 0, 50.0, 4096),  # a soft-capped full layer: every slot of the buffer
+    ({"softcap": False}, 8, 50.0, 8),  # a soft-capped sliding layer: its window
+    ({"softcap": False}, 0, 0.0, 0),
+    ({"exact_query_rows": 31}, 0, 0.0, 4096),  # a kernel wrong on long prompts everywhere: every layer
+    ({"software_adapter_query_rows": 31}, 0, 0.0, 0),  # a software adapter's fault is not routed around
+])
+def test_each_layer_attends_where_the_kernel_keeps_its_semantics(facts, window, softcap, expected):
+    from ep_profiles import AttentionKernel
+    from fx_passes.substitute_group_query_attention import _graph_window
+
+    core = dataclasses.make_dataclass("Core", ["softcap"])(softcap)
+    assert _graph_window(core, window, AttentionKernel(**facts), 4096) == expected
