@@ -456,13 +456,14 @@ def _compare_generations(on_cpu, cpu_logits, on_ep, ep_logits, precision: str) -
     tolerance = PRECISIONS.get(precision, PRECISIONS["fp32"])
     step = next((i for i, (a, b) in enumerate(zip(on_cpu, on_ep, strict=False)) if a != b), None)
     shared = 0 if ep_logits is None else len(on_cpu) if step is None else step + 1  # the parting step saw the same tokens too
-    differences = [float(np.abs(ep - cpu).max())
-                   for cpu, ep in zip(cpu_logits[:shared], (ep_logits or [])[:shared], strict=False)]
+    pairs = list(zip(cpu_logits[:shared], (ep_logits or [])[:shared], strict=False))
+    differences = [float(np.abs(ep - cpu).max()) for cpu, ep in pairs]
+    bounds = [tolerance.logit_bound(tolerance.ep_logits, cpu) for cpu, _ in pairs]
     worst = max(differences, default=0.0)
-    if worst > tolerance.ep_logits:
-        at = next(i for i, d in enumerate(differences) if d > tolerance.ep_logits)
+    if over := [i for i, (d, b) in enumerate(zip(differences, bounds, strict=True)) if d > b]:
+        at = over[0]
         return False, (f" (logits at {_step_name(at)} differ from the CPU's by {differences[at]:.3g}, over "
-                       f"{tolerance.ep_logits} for {precision})")
+                       f"{bounds[at]:.3g} for {precision})")
     logits = f"; logits within {worst:.3g} of the CPU's over {len(differences)} steps" if differences else ""
     if on_ep == on_cpu:
         return True, f" ({logits[2:]})" if logits else ""

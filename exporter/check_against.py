@@ -228,9 +228,9 @@ def _against_reference(model, generations: list[Generation], tokenizer, toleranc
                 continue
             difference = float(np.abs(got - want).max())
             worst = max(worst, difference)
-            if difference > tolerance.source_logits and logit_failure is None:
+            if difference > (bound := tolerance.logit_bound(tolerance.source_logits, want)) and logit_failure is None:
                 logit_failure = (f"at {where}{where_run} the logits differ from transformers' by {difference:.3g} "
-                                 f"(tolerance {tolerance.source_logits} for {precision})")
+                                 f"(tolerance {bound:.3g} for {precision})")
         if token_failure is None and (repeat := degenerate_repeat(reference, generation.tokens)):
             token, picked = repeat
             token_failure = (f"at prompt {number}{where_run} the package picks {token} {tokenizer.decode([token])!r} at "
@@ -252,7 +252,9 @@ def _against_reference(model, generations: list[Generation], tokenizer, toleranc
     tie_note = f"; {near_ties} near ties within {tolerance.source_near_tie}" if near_ties else ""
     return [
         (f"{prefix}source_logits", logit_failure is None,
-         logit_failure or f"{checked}: max |logit difference| {worst:.3g} (tolerance {tolerance.source_logits} for {precision})"),
+         logit_failure or f"{checked}: max |logit difference| {worst:.3g} (tolerance {tolerance.source_logits}"
+                          f"{f' or {tolerance.relative_logits:.0%} of the largest |logit|' if tolerance.relative_logits else ''}"
+                          f" for {precision})"),
         (f"{prefix}source_tokens", token_failure is None,
          token_failure or f"{checked}: the package's greedy tokens are transformers'{tie_note}"),
     ]

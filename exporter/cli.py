@@ -17,7 +17,7 @@ from ep_profiles.registry import UnknownProfileError
 from exporter.errors import ExporterError, environment_error
 from exporter import replay
 from exporter.cache_folder import chosen_folder
-from exporter.int4_options import Int4Options
+from exporter.int4_options import INT4_METHODS, Int4Options
 from exporter.package import REPORT_FILENAME
 from exporter.precisions import PRECISIONS, choose_precision
 from exporter.preset_names import DEFAULT_PRESET, PRESET_NAMES
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="int4: with zero points (default symmetric)")
     parser.add_argument("--int4-accuracy-level", type=int, choices=range(5), metavar="0-4",
                         help="int4: MatMulNBits accuracy level (4 = int8 compute; default: 4 on cpu, 0 elsewhere)")
+    parser.add_argument("--int4-method", choices=INT4_METHODS,
+                        help="int4: rtn (round to nearest over each block, default) or k_quant (llama.cpp's "
+                             "K-quant fit of a scale and minimum per block; with zero points)")
     parser.add_argument("--max-length", type=int, metavar="N",
                         help="the context GenAI allocates and generates to (genai_config's context_length and "
                              "max_length; default: the model's own, capped by the EP's default, `list`); the "
@@ -187,7 +190,8 @@ def _plan(argv: list[str]) -> int:
 def _int4_options(args, profile, precision: str) -> Int4Options | None:
     given = [flag for flag, value in (("--int4-block-size", args.int4_block_size),
                                       ("--int4-asymmetric", args.int4_asymmetric or None),
-                                      ("--int4-accuracy-level", args.int4_accuracy_level)) if value is not None]
+                                      ("--int4-accuracy-level", args.int4_accuracy_level),
+                                      ("--int4-method", args.int4_method)) if value is not None]
     if precision != "int4":
         if given:
             raise ExporterError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --precision int4, "
@@ -198,6 +202,7 @@ def _int4_options(args, profile, precision: str) -> Int4Options | None:
             block_size=args.int4_block_size or Int4Options.block_size,
             symmetric=not args.int4_asymmetric,
             accuracy_level=profile.int4_accuracy_level if args.int4_accuracy_level is None else args.int4_accuracy_level,
+            method=args.int4_method or Int4Options.method,
         )
     except ValueError as error:
         raise ExporterError(str(error)) from error

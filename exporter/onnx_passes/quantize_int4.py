@@ -18,6 +18,7 @@ initializer table (embeddings, per-layer tables and their pieces).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -53,18 +54,22 @@ class _Blocks:
 
     def __init__(self, weight: ir.TensorProtocol, transposed: bool, options: Int4Options):
         self.weight, self.transposed, self.options = weight, transposed, options
-        self.wanted = ("blob", "scales") if options.symmetric else ("blob", "scales", "zero_points")
+        self.wanted = ("blob", "scales", "zero_points") if options.zero_points else ("blob", "scales")
         self.parts: dict[str, np.ndarray] | None = None
         self.unread: set[str] = set()
 
     def part(self, name: str) -> ir.Tensor:
         if self.parts is None:
             values = self.weight.numpy()
-            k_by_n = np.ascontiguousarray(values.T if self.transposed else values)
-            config = DefaultWeightOnlyQuantConfig(
-                block_size=self.options.block_size, is_symmetric=self.options.symmetric
-            )
-            blob, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(k_by_n)
+            if self.options.method == "k_quant":
+                blob, scales, zero_points = k_quant_blocks(values if self.transposed else values.T,
+                                                           self.options.block_size)
+            else:
+                k_by_n = np.ascontiguousarray(values.T if self.transposed else values)
+                config = DefaultWeightOnlyQuantConfig(
+                    block_size=self.options.block_size, is_symmetric=self.options.symmetric
+                )
+                blob, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(k_by_n)
             self.parts = dict(zip(("blob", "scales", "zero_points"), (blob, scales, zero_points), strict=True))
             self.unread = set(self.wanted)
         array = self.parts[name]
@@ -72,6 +77,34 @@ class _Blocks:
         if not self.unread:
             self.parts = None
         return ir.tensor(array)
+
+
+K_QUANT_ROWS = 4096  # output rows quantized at once: the K-quant search holds ~8 float copies of them
+
+
+def k_quant_blocks(n_by_k: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' parts of a weight [n, k] quantized by ONNX Runtime's K-quant search
+    (``quant_tensor_k_quant_cpu``: per block a scale and minimum fitted by weighted least squares,
+    as llama.cpp's Q4_K): blob uint8 [n, blocks, block / 2] (low nibble first), scales [n, blocks]
+    in the weight's dtype, zero points uint8 [n, ceil(blocks / 2)] (two per byte, low first), so
+    that each weight is ``scale * (q - zero_point)``. Rows go K_QUANT_ROWS at a time."""
+    from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor_k_quant_cpu
+
+    n, k = n_by_k.shape
+    blocks = -(-k // block)
+    blob = np.empty((n, blocks, block // 2), np.uint8)
+    scales = np.empty((n, blocks), n_by_k.dtype)
+    zero_points = np.zeros((n, blocks + blocks % 2), np.uint8)
+    for start in range(0, n, K_QUANT_ROWS):
+        rows = np.asarray(n_by_k[start:start + K_QUANT_ROWS], np.float32)
+        if k % block:  # zeros fill the last block, as MatMulNBits' K pads
+            rows = np.pad(rows, ((0, 0), (0, blocks * block - k)))
+        q, scale, zero = quant_tensor_k_quant_cpu(rows, 4, block)
+        q = q.astype(np.uint8).reshape(len(rows), blocks, block)
+        blob[start:start + len(rows)] = q[..., 0::2] | (q[..., 1::2] << 4)
+        scales[start:start + len(rows)] = scale.reshape(len(rows), blocks)
+        zero_points[start:start + len(rows), :blocks] = zero.reshape(len(rows), blocks)
+    return blob, scales, zero_points[:, 0::2] | (zero_points[:, 1::2] << 4)
 
 
 class _ExpertBlocks:
@@ -122,8 +155,8 @@ class QuantizeInt4:
         if not facts.quantized(session):
             return None
         options = facts.int4
-        return (f"int4 weights: block size {options.block_size}, {'symmetric' if options.symmetric else 'asymmetric'}, "
-                f"accuracy level {options.accuracy_level}")
+        return (f"int4 weights ({options.method}): block size {options.block_size}, "
+                f"{'asymmetric' if options.zero_points else 'symmetric'}, accuracy level {options.accuracy_level}")
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
         quantizer = _Quantizer(facts.int4)
@@ -134,13 +167,15 @@ class QuantizeInt4:
                 "tables_shared_with_lm_head": quantizer.shared_tables, "experts_blocks": quantizer.experts_blocks,
                 # MoE blocks QMoE cannot take here (asymmetric blocks, a width the block size does not
                 # divide, biased experts): their experts stay float.
-                "float_experts_blocks": quantizer.float_experts_blocks}
+                "float_experts_blocks": quantizer.float_experts_blocks,
+                "tables_without_zero_points": quantizer.tables_without_zero_points}
 
 
 class _Quantizer:
     def __init__(self, options: Int4Options):
         self.options = options
         self.matmuls = self.gathers = self.shared_tables = self.experts_blocks = self.float_experts_blocks = 0
+        self.tables_without_zero_points = 0
 
     def run(self, model: ir.Model) -> None:
         graph = model.graph
@@ -164,7 +199,7 @@ class _Quantizer:
                 source, transposed = twin, True
             key = id(source)
             if key not in quantized:
-                quantized[key] = self._quantize(graph, source, transposed, k, n)
+                quantized[key] = self._quantize(graph, source, transposed, k, n, self._options_for(source, k, tables))
             self._replace_matmul(graph, node, quantized[key])
             self.matmuls += 1
         for node in list(graph):
@@ -176,7 +211,8 @@ class _Quantizer:
             if id(table) in quantized:
                 self.shared_tables += 1
             else:
-                quantized[id(table)] = self._quantize(graph, table, True, width, rows)
+                quantized[id(table)] = self._quantize(graph, table, True, width, rows,
+                                                      self._options_for(table, width, tables))
             self._replace_gather(graph, node, quantized[id(table)])
             self.gathers += 1
         for node in list(graph):
@@ -219,10 +255,21 @@ class _Quantizer:
         _swap(graph, node, [ir.node("QMoE", inputs, attributes, domain=MICROSOFT, name=f"{node.name}.int4")])
         return True
 
-    def _quantize(self, graph: ir.Graph, source: ir.Value, transposed: bool, k: int, n: int) -> _Quantized:
+    def _options_for(self, source: ir.Value, k: int, tables: dict) -> Int4Options:
+        """The export's options, but for a gathered table (and a tied LM head reading it) whose
+        rows span an odd number of blocks: GatherBlockQuantized refuses zero points there (ONNX
+        Runtime 1.32, CPU and WebGPU: "scales and zero_points must have the same shape"), so it
+        is quantized round-to-nearest without them."""
+        if self.options.zero_points and id(source) in tables and -(-k // self.options.block_size) % 2:
+            self.tables_without_zero_points += 1
+            return dataclasses.replace(self.options, symmetric=True, method="rtn")
+        return self.options
+
+    def _quantize(self, graph: ir.Graph, source: ir.Value, transposed: bool, k: int, n: int,
+                  options: Int4Options) -> _Quantized:
         """``source`` is the weight as stored: [k, n] (x @ w), or [n, k] when ``transposed``."""
         blocks = -(-k // self.options.block_size)
-        parts = _Blocks(source.const_value, transposed, self.options)
+        parts = _Blocks(source.const_value, transposed, options)
         dtype = source.dtype
 
         def initializer(part: str, suffix: str, part_dtype: ir.DataType, shape: list[int]) -> ir.Value:
@@ -235,7 +282,7 @@ class _Quantizer:
         blob = initializer("blob", "int4", ir.DataType.UINT8, [n, blocks, self.options.block_size // 2])
         scales = initializer("scales", "scales", dtype, [n, blocks])
         zero_points = (
-            None if self.options.symmetric
+            None if not options.zero_points
             else initializer("zero_points", "zero_points", ir.DataType.UINT8, [n, -(-blocks // 2)])
         )
         return _Quantized(blob, scales, zero_points, n, k)
