@@ -84,6 +84,8 @@ def package_log_probs(package: Path, windows: list[list[int]], vocab: int) -> li
         for token in ids:
             generator.append_tokens(np.array([[token]], dtype=np.int32))
             logits = np.array(generator.get_output("logits"), dtype=np.float64).reshape(-1)[-vocab:]
+            if not np.isfinite(logits).all():  # a NaN would make every metric NaN, or compare false
+                raise SystemExit(f"error: {package}: logits not finite at position {len(rows)} of a window")
             top = logits.max()
             rows.append(logits - top - np.log(np.exp(logits - top).sum()))
         out.append(np.stack(rows))
