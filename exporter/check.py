@@ -7,7 +7,10 @@ the largest initializer fits the profile's buffer limit, genai_config.json agree
 (I/O names, KV layers, head dims, vocabulary) and loads in ONNX Runtime GenAI, an ONNX Runtime
 session with the profile's provider and the package's provider options (graph capture included)
 places every node (on the EP, or the CPU where the profile allows), and a short greedy
-generation runs on the CPU and, where the EP is installed, gives the same tokens on the EP.
+generation (from a prompt past the recorded sliding window and past 64 tokens) runs on the CPU
+and, where the EP is installed, gives the same tokens on the EP, with logits within the
+precision's ``ep_logits`` bound of the CPU's until the tokens part (on a software adapter the
+prompt goes in ``AttentionKernel.software_adapter_query_rows`` tokens at a time).
 Checks that need an EP this machine lacks are reported as skipped. With ``--against SOURCE``,
 the package is also compared with transformers running the source (``exporter.check_against``).
 
