@@ -30,6 +30,7 @@ from onnx import TensorProto, helper
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_profiles import get_profile  # noqa: E402
+from ep_profiles.registry import UnknownProfileError  # noqa: E402
 from exporter.ep_runtime import EpUnavailable, inference_session  # noqa: E402
 
 # An exact kernel agrees with the reference to float32 rounding (~1e-6 at these sizes); a dropped
@@ -362,7 +363,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         results = probe_all(args.ep)
-    except EpUnavailable as error:
+    except (EpUnavailable, UnknownProfileError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
