@@ -106,6 +106,10 @@ class EpProfile:
         "fp32" where the EP's 4-bit kernels take fp32 activations best (CPU).
     int4_accuracy_level: MatMulNBits' default accuracy level (4: int8 compute, ONNX Runtime's fast
         CPU path; 0: the activation dtype).
+    weight_bit_widths: the bit widths at which the EP's ``MatMulNBits`` and ``GatherBlockQuantized``
+        were measured exact, with and without zero points, at fp32 and fp16 activations
+        (``scripts/probe_quantized_kernels.py``). ``int8`` packages and the 8-bit weights of an
+        int4 package need 8; a profile whose EP was not run keeps 4, which every EP has shipped.
     """
 
     name: str
@@ -132,10 +136,13 @@ class EpProfile:
     mixture_of_experts_precisions: tuple[str, ...] = ()
     int4_activations: str = "fp16"
     int4_accuracy_level: int = 0
+    weight_bit_widths: tuple[int, ...] = (4,)
 
     def __post_init__(self):
         if self.graph_capture and not self.graph_capture_option:
             raise ValueError(f"profile {self.name}: graph_capture needs a graph_capture_option")
+        if "int8" in self.precisions and 8 not in self.weight_bit_widths:
+            raise ValueError(f"profile {self.name}: precision int8 needs 8 in weight_bit_widths")
 
     def capped_context(self, model_context: int) -> int:
         """The positions a package allocates and generates to: the model's own, capped by

@@ -37,11 +37,17 @@ _WEBGPU_ATTENTION = AttentionKernel(
     measured="onnxruntime-ep-webgpu 0.4.0 on ONNX Runtime 1.32, Mesa lavapipe (software Vulkan), 2026-12-06",
 )
 
+# MatMulNBits (1 and 40 rows) and GatherBlockQuantized at 4 and 8 bits, with and without zero
+# points, fp32 and fp16: exact on ONNX Runtime 1.32's CPU EP and on onnxruntime-ep-webgpu 0.4.0
+# over Mesa lavapipe, 2026-12-07 (scripts/probe_quantized_kernels.py). CUDA, DML and TensorRT-RTX
+# list 8-bit kernels too but were not run.
+_MEASURED_BIT_WIDTHS = (4, 8)
+
 CPU = EpProfile(
     name="cpu",
     genai_provider="",
     ort_provider="CPUExecutionProvider",
-    precisions=("fp32", "int4"),
+    precisions=("fp32", "int4", "int8"),
     description="ONNX Runtime's default CPU provider",
     attention_op=GROUP_QUERY_ATTENTION,
     norm_fusions=_NORMS,
@@ -56,6 +62,7 @@ CPU = EpProfile(
     attention_kernel=_CPU_ATTENTION,
     int4_activations="fp32",
     int4_accuracy_level=4,
+    weight_bit_widths=_MEASURED_BIT_WIDTHS,
     # Verified here; CUDA and DML list the kernel too but were not run. WebGPU (plugin 0.4.0) places
     # FusedMatMul on the CPU.
     transposed_matmul=True,
@@ -95,12 +102,13 @@ WEBGPU = EpProfile(
     genai_provider="webgpu",
     ort_provider="WebGpuExecutionProvider",
     ort_plugin="onnxruntime_ep_webgpu",
-    precisions=("fp16", "fp32", "int4"),
+    precisions=("fp16", "fp32", "int4", "int8"),
     description="WebGPU (Dawn: Vulkan, Metal, D3D12), with graph capture",
     attention_op=GROUP_QUERY_ATTENTION,
     norm_fusions=_NORMS,
     attention_kernel=_WEBGPU_ATTENTION,
     max_buffer_size=256 * 2**20,
+    weight_bit_widths=_MEASURED_BIT_WIDTHS,
     past_present_share_buffer=True,
     graph_capture_option="enableGraphCapture",
     graph_capture=True,

@@ -16,6 +16,15 @@ text) and the two are compared step by step, with the tolerances of the package'
   margins (a degenerate repeat, such as ``<pad>`` forever, that near-tie bounds wide enough for a tiny
   model's flat logits would let through).
 
+A quantized package (int4, int8) is judged by its distribution instead of step by step: its
+weights differ from the source's, so a real model's logits part by several units and its tokens at
+steps that are no near tie, whether the quantization is good or broken. ``source_distribution``
+teacher-forces a passage of real prose (and the generations' steps) through the package one token
+at a time and bounds the mean KL(transformers || package), the top-1 agreement (a pick within the
+near-tie bound of transformers' best agreeing) and the prose's perplexity against transformers'
+(``Precision.distribution``; ``exporter.distribution``); ``source_tokens`` then fails only a
+degenerate repeat.
+
 Logits that are not finite, the package's or transformers', fail both at the first such step
 (NaN compares false with any bound: all-NaN logits differed by "0").
 
@@ -39,6 +48,7 @@ import transformers
 
 from ep_profiles import EpProfile
 from exporter.check import nonfinite
+from exporter.distribution import DistributionTotals
 from exporter.errors import ExporterError
 from exporter.layout import eval_mode
 from exporter.precisions import PRECISIONS
@@ -93,6 +103,26 @@ def greedy_with_logits(package: Path, prompts: list[list[int]], new_tokens: int,
     return generations
 
 
+def teacher_forced_package_logits(package: Path, ids: list[int], on_cpu: bool = True) -> np.ndarray:
+    """The package's logits [len(ids) - 1, vocab] after each of ``ids[:-1]``, fed one token at a
+    time through GenAI's decode path (each predicts the next token of ``ids``)."""
+    import onnxruntime_genai as og
+
+    from exporter.ep_runtime import genai_config
+
+    model = og.Model(genai_config(package, on_cpu))
+    vocab = json.loads((package / "genai_config.json").read_text())["model"]["vocab_size"]
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids), do_sample=False)
+    generator = og.Generator(model, params)
+    rows = []
+    for token in ids[:-1]:
+        generator.append_tokens(np.array([[token]], dtype=np.int32))
+        rows.append(np.array(generator.get_output("logits"), dtype=np.float32).reshape(-1)[-vocab:])
+    del generator, model
+    return np.stack(rows)
+
+
 def reference_model(source: Any, trust_remote_code: bool = False) -> transformers.PreTrainedModel:
     """transformers' own fp32 model of ``source``: an in-memory model (an fp32 copy if it is in
     another dtype), a preset as ``build_preset`` makes it (what a preset export reads), a folder, hub
@@ -131,6 +161,26 @@ LONG_TEXT = ("It was the best of times, it was the worst of times, it was the ag
 # LONG_PROMPT_MIN tokens: past the 32-row tiles attention kernels switch to (WebGPU's was wrong there).
 PAST_THE_WINDOW = 16
 LONG_PROMPT_MIN = 64
+# Real prose, not repeated (a repeat is copied, which flatters any package): the opening of Jane
+# Austen's Pride and Prejudice (1813), ~330 tokens in most tokenizers. Quantized packages are
+# measured on it token by token.
+PROSE = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+    "of a wife. However little known the feelings or views of such a man may be on his first entering a "
+    "neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he is considered "
+    "the rightful property of some one or other of their daughters. \"My dear Mr. Bennet,\" said his lady to him "
+    "one day, \"have you heard that Netherfield Park is let at last?\" Mr. Bennet replied that he had not. \"But it "
+    "is,\" returned she; \"for Mrs. Long has just been here, and she told me all about it.\" Mr. Bennet made no "
+    "answer. \"Do you not want to know who has taken it?\" cried his wife impatiently. \"You want to tell me, and I "
+    "have no objection to hearing it.\" This was invitation enough. \"Why, my dear, you must know, Mrs. Long says "
+    "that Netherfield is taken by a young man of large fortune from the north of England; that he came down on "
+    "Monday in a chaise and four to see the place, and was so much delighted with it, that he agreed with Mr. "
+    "Morris immediately; that he is to take possession before Michaelmas, and some of his servants are to be in "
+    "the house by the end of next week.\" \"What is his name?\" \"Bingley.\" \"Is he married or single?\" \"Oh! "
+    "Single, my dear, to be sure! A single man of large fortune; four or five thousand a year. What a fine thing "
+    "for our girls!\" \"How so? How can it affect them?\" \"My dear Mr. Bennet,\" replied his wife, \"how can you "
+    "be so tiresome! You must know that I am thinking of his marrying one of them.\""
+)
 
 
 def prompt_ids(tokenizer, context_length: int, new_tokens: int, windows: tuple[int, ...] = ()) -> list[list[int]]:
@@ -186,27 +236,36 @@ def compare_with_source(package: Path, source: Any, precision: str, new_tokens: 
     tokenizer = _package_tokenizer(package)
     windows = attention_windows(package, source, trust_remote_code)
     prompts = prompt_ids(tokenizer, config["model"]["context_length"], new_tokens, windows)
+    tolerance = PRECISIONS.get(precision, PRECISIONS["fp32"])
+    prose = list(tokenizer(PROSE)["input_ids"])[:config["model"]["context_length"]] if tolerance.distribution else None
     runs = {"": greedy_with_logits(package, prompts, new_tokens)}
+    prose_logits = {"": teacher_forced_package_logits(package, prose)} if prose else {}
     skipped = chunk = None
     if profile is not None and profile.genai_provider:
         try:
             register(profile, genai=True)
             chunk = prompt_chunk(profile)
             runs["ep_"] = greedy_with_logits(package, prompts, new_tokens, on_cpu=False, chunk=chunk)
+            if prose:
+                prose_logits["ep_"] = teacher_forced_package_logits(package, prose, on_cpu=False)
         except EpUnavailable as error:
             skipped = f"not run: {error}"
     gc.collect()  # the package's sessions go before the reference comes
 
     model = reference_model(source, trust_remote_code)
-    tolerance = PRECISIONS.get(precision, PRECISIONS["fp32"])
     results = []
     for prefix, generations in runs.items():
         where = f" on {profile.ort_provider}" if prefix else ""
         if prefix and chunk:
             where += f" (a software adapter: prompts fed {chunk} tokens at a time)"
-        results += _against_reference(model, generations, tokenizer, tolerance, precision, source, where, prefix)
+        if prose:
+            results += _distribution_against_reference(model, generations, prose, prose_logits[prefix], tokenizer,
+                                                       tolerance, precision, source, where, prefix)
+        else:
+            results += _against_reference(model, generations, tokenizer, tolerance, precision, source, where, prefix)
     if skipped:
-        results += [("ep_source_logits", True, skipped), ("ep_source_tokens", True, skipped)]
+        names = ("ep_source_distribution", "ep_source_tokens") if prose else ("ep_source_logits", "ep_source_tokens")
+        results += [(name, True, skipped) for name in names]
     return results
 
 
@@ -257,6 +316,51 @@ def _against_reference(model, generations: list[Generation], tokenizer, toleranc
                           f" for {precision})"),
         (f"{prefix}source_tokens", token_failure is None,
          token_failure or f"{checked}: the package's greedy tokens are transformers'{tie_note}"),
+    ]
+
+
+def _distribution_against_reference(model, generations: list[Generation], prose: list[int], prose_logits: np.ndarray,
+                                    tokenizer, tolerance, precision: str, source: Any, where_run: str,
+                                    prefix: str) -> list[tuple[str, bool, str]]:
+    """``source_distribution`` and ``source_tokens`` of a quantized package: the prose's positions
+    and the generations' steps, pooled, against ``tolerance.distribution``."""
+    totals, unusable, token_failure = DistributionTotals(), None, None
+    texts = [("the prose", teacher_forced_logits(model, prose[:1], prose[1:]), list(prose_logits), prose[1:])]
+    texts += [(f"prompt {number}", teacher_forced_logits(model, g.prompt, g.tokens), g.logits, None)
+              for number, g in enumerate(generations, start=1)]
+    for name, reference, got, targets in texts:
+        want = np.stack(reference)
+        if want.shape[-1] != np.shape(got)[-1]:
+            return [(f"{prefix}source_distribution", False, (f"the package has {np.shape(got)[-1]} logits, "
+                                                             f"transformers {want.shape[-1]}: not the same vocabulary"))]
+        bad = [f"{whose} logits are not finite: {counts}"
+               for whose, values in (("the package's", np.stack(got)), ("transformers'", want)) if (counts := nonfinite(values))]
+        if bad:
+            unusable = unusable or f"on {name}{where_run} {'; '.join(bad)}"
+            continue
+        totals.add(want, np.stack(got), None if targets is None else np.array(targets), tolerance.source_near_tie)
+    for number, generation in enumerate(generations, start=1):
+        reference = texts[number][1]
+        if token_failure is None and (repeat := degenerate_repeat(reference, generation.tokens)):
+            token, picked = repeat
+            token_failure = (f"at prompt {number}{where_run} the package picks {token} {tokenizer.decode([token])!r} at "
+                             f"every step from generated token 0 ({len(generation.tokens)} steps), transformers at "
+                             f"{picked} of them: a degenerate repeat")
+    bounds = tolerance.distribution
+    checked = (f"{len(prose) - 1} positions of prose and {sum(len(g.tokens) for g in generations)} greedy steps of "
+               f"{len(generations)} prompts{where_run} against {_describe(source)}")
+    if unusable:
+        return [(f"{prefix}source_distribution", False, unusable), (f"{prefix}source_tokens", False, unusable)]
+    measured = (f"mean KL {totals.mean_kl:.3g} (bound {bounds.mean_kl}), top-1 {totals.top1_near_tie_share:.1%} with "
+                f"near ties within {tolerance.source_near_tie} ({totals.top1_share:.1%} exact; bound {bounds.top1:.0%}), "
+                f"prose perplexity {totals.perplexity_ratio:.3f}x transformers' (bound {bounds.perplexity_ratio}x)")
+    failures = bounds.failures(totals)
+    return [
+        (f"{prefix}source_distribution", not failures,
+         f"{checked}: {'; '.join(failures) + ' for ' + precision + ' (' + measured + ')' if failures else measured}"),
+        (f"{prefix}source_tokens", token_failure is None,
+         token_failure or f"{checked}: no degenerate repeat (a quantized package's tokens may part from "
+                          "transformers' anywhere; its distribution is what is bounded)"),
     ]
 
 

@@ -19,7 +19,7 @@ from exporter import replay
 from exporter.cache_folder import chosen_folder
 from exporter.int4_options import INT4_METHODS, Int4Options
 from exporter.package import REPORT_FILENAME
-from exporter.precisions import PRECISIONS, choose_precision
+from exporter.precisions import PRECISIONS, choose_precision, default_int4_options, int4_options
 from exporter.preset_names import DEFAULT_PRESET, PRESET_NAMES
 from exporter.report import describe_graph_cache, package_summary
 
@@ -48,17 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-o", "--output", type=Path, metavar="DIR",
                         help="package folder to create (default: ./<model>-<ep>-<precision>)")
     parser.add_argument("--precision", choices=PRECISIONS,
-                        help="fp32, fp16, bf16 (the graph computes in it), or int4 (4-bit weights, fp16 "
-                             "activations; fp32 on cpu); default: the EP's first (`list`)")
+                        help="fp32, fp16, bf16 (the graph computes in it), int4 (4-bit weights, fp16 "
+                             "activations; fp32 on cpu) or int8 (8-bit weights, as int4's activations); "
+                             "default: the EP's first (`list`)")
     parser.add_argument("--int4-block-size", type=int, metavar="N",
                         help="int4: weights per scale, a power of two >= 16 (default 32)")
-    parser.add_argument("--int4-asymmetric", action="store_true",
-                        help="int4: with zero points (default symmetric)")
+    symmetry = parser.add_mutually_exclusive_group()
+    symmetry.add_argument("--int4-asymmetric", dest="int4_symmetric", action="store_false", default=None,
+                          help="int4: blocks with zero points" + (" (the default)" if not Int4Options.symmetric else ""))
+    symmetry.add_argument("--int4-symmetric", dest="int4_symmetric", action="store_true", default=None,
+                          help="int4: blocks without zero points" + (" (the default)" if Int4Options.symmetric else ""))
     parser.add_argument("--int4-accuracy-level", type=int, choices=range(5), metavar="0-4",
                         help="int4: MatMulNBits accuracy level (4 = int8 compute; default: 4 on cpu, 0 elsewhere)")
     parser.add_argument("--int4-method", choices=INT4_METHODS,
                         help="int4: rtn (round to nearest over each block, default) or k_quant (llama.cpp's "
                              "K-quant fit of a scale and minimum per block; with zero points)")
+    parser.add_argument("--int4-8bit", type=_roles, metavar="ROLE[,ROLE]",
+                        help="int4: store these weights at 8 bits: lm_head, embeddings, sensitive_layers (the "
+                             "value and down projections of the first and last eighth of the layers and every "
+                             "third between, as llama.cpp's Q4_K_M), or none (default: "
+                             f"{','.join(Int4Options.eight_bit) or 'none'})")
     parser.add_argument("--max-length", type=int, metavar="N",
                         help="the context GenAI allocates and generates to (genai_config's context_length and "
                              "max_length; default: the model's own, capped by the EP's default, `list`); the "
@@ -151,7 +160,6 @@ def _plan(argv: list[str]) -> int:
 
     from exporter.plan import export_settings, make_plan
     from exporter.precisions import PRECISIONS as POLICIES
-    from exporter.precisions import int4_options
     from exporter.prepare import prepare
     from exporter.sources import LoadOptions, load
 
@@ -170,8 +178,8 @@ def _plan(argv: list[str]) -> int:
     try:
         profile = get_profile(args.ep)
         precision = choose_precision(profile, args.precision)
-        if args.int4_encoders and precision != "int4":
-            raise ExporterError(f"--int4-encoders applies to --precision int4, not {precision}")
+        if args.int4_encoders and POLICIES[precision].weight_bits is None:
+            raise ExporterError(f"--int4-encoders applies to --precision int4 or int8, not {precision}")
         # The plan needs the model's structure only: its config, never its weights.
         loaded = load(args.model, options=LoadOptions(trust_remote_code=args.trust_remote_code, random_weights=True,
                                                       text_only=args.text_only))
@@ -187,25 +195,34 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
+def _roles(text: str) -> tuple[str, ...]:
+    """``lm_head,sensitive_layers`` -> the roles; ``none`` -> none."""
+    roles = tuple(role.strip() for role in text.split(",") if role.strip())
+    return () if roles == ("none",) else roles
+
+
 def _int4_options(args, profile, precision: str) -> Int4Options | None:
     given = [flag for flag, value in (("--int4-block-size", args.int4_block_size),
-                                      ("--int4-asymmetric", args.int4_asymmetric or None),
+                                      ("--int4-asymmetric/--int4-symmetric", args.int4_symmetric),
                                       ("--int4-accuracy-level", args.int4_accuracy_level),
-                                      ("--int4-method", args.int4_method)) if value is not None]
+                                      ("--int4-method", args.int4_method),
+                                      ("--int4-8bit", args.int4_8bit)) if value is not None]
     if precision != "int4":
         if given:
             raise ExporterError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --precision int4, "
                                 f"not {precision}")
         return None
     try:
-        return Int4Options(
+        options = Int4Options(
             block_size=args.int4_block_size or Int4Options.block_size,
-            symmetric=not args.int4_asymmetric,
-            accuracy_level=profile.int4_accuracy_level if args.int4_accuracy_level is None else args.int4_accuracy_level,
+            symmetric=Int4Options.symmetric if args.int4_symmetric is None else args.int4_symmetric,
+            accuracy_level=args.int4_accuracy_level,
             method=args.int4_method or Int4Options.method,
+            eight_bit=default_int4_options(profile).eight_bit if args.int4_8bit is None else args.int4_8bit,
         )
     except ValueError as error:
         raise ExporterError(str(error)) from error
+    return int4_options(profile, precision, options)
 
 
 def run() -> None:
@@ -244,8 +261,8 @@ def main(argv: list[str] | None = None, *, replays: bool = False) -> int:
         profile = get_profile(args.ep)
         precision = choose_precision(profile, args.precision)
         int4 = _int4_options(args, profile, precision)
-        if args.int4_encoders and precision != "int4":
-            raise ExporterError(f"--int4-encoders applies to --precision int4, not {precision}")
+        if args.int4_encoders and PRECISIONS[precision].weight_bits is None:
+            raise ExporterError(f"--int4-encoders applies to --precision int4 or int8, not {precision}")
     except (ExporterError, UnknownProfileError) as error:
         return _failed(args, str(error), 2)
     # A folder's own name (`.` resolved), a hub id's last part, or the preset's name.

@@ -7,22 +7,38 @@ from dataclasses import dataclass
 
 
 INT4_METHODS = ("rtn", "k_quant")
+# Weights an int4 export may store at 8 bits instead (``eight_bit``), those whose rounding costs
+# most: "lm_head", the logits' MatMul (and the table it is tied to); "embeddings", every gathered
+# table (and a head tied to one); "sensitive_layers", the attention value and MLP down projections
+# of the first and last eighth of the layers and every third layer between (llama.cpp's Q4_K_M
+# rule, which ONNX Runtime GenAI's builder also uses for ``mixed_layers``).
+EIGHT_BIT_ROLES = ("lm_head", "embeddings", "sensitive_layers")
 
 
 @dataclass(frozen=True)
 class Int4Options:
-    """block_size: weights per scale (a power of two >= 16). symmetric: no zero points (the
-    WebGPU EP's GatherBlockQuantized also refuses zero points over an odd number of blocks).
-    accuracy_level: MatMulNBits' compute type (0 = the activation dtype, 4 = int8, faster on CPU).
+    """The defaults are the best measured on real checkpoints at an export time and decode speed
+    close to plain round-to-nearest (README, "int4 quality on real weights"): asymmetric
+    round-to-nearest blocks of 32, with the LM head and the sensitive layers' value and down
+    projections at 8 bits.
+
+    block_size: weights per scale (a power of two >= 16). symmetric: no zero points (a gathered
+    table over an odd number of blocks never has them: GatherBlockQuantized refuses them there).
+    accuracy_level: MatMulNBits' compute type (0 = the activation dtype, 4 = int8, faster on CPU);
+    None: the profile's (``int4_accuracy_level``; on the CPU 4, where 8-bit blocks at level 0 run
+    ONNX Runtime 1.32's reference kernel, 70x slower: 723 against 9.8 ms for a 151936 x 896 head).
     method: how each block's scale (and zero point) is chosen: "rtn", round to nearest over the
     block's range (ONNX Runtime's DefaultWeightOnlyQuantizer); "k_quant", llama.cpp's K-quant
     search, a scale and minimum fitted to the block by weighted least squares (ONNX Runtime's
-    ``quant_tensor_k_quant_cpu``), which always has zero points."""
+    ``quant_tensor_k_quant_cpu``), which always has zero points.
+    eight_bit: the roles (``EIGHT_BIT_ROLES``) stored as 8-bit blocks, round-to-nearest with the
+    same block size and symmetry (8 bits leave little for a better search to win)."""
 
     block_size: int = 32
-    symmetric: bool = True
-    accuracy_level: int = 0
+    symmetric: bool = False
+    accuracy_level: int | None = None
     method: str = "rtn"
+    eight_bit: tuple[str, ...] = ("lm_head", "sensitive_layers")
 
     @property
     def zero_points(self) -> bool:
@@ -31,7 +47,11 @@ class Int4Options:
     def __post_init__(self):
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ValueError(f"int4 block size must be a power of two >= 16, not {self.block_size}")
-        if self.accuracy_level not in (0, 1, 2, 3, 4):
+        if self.accuracy_level not in (None, 0, 1, 2, 3, 4):
             raise ValueError(f"int4 accuracy level must be 0-4, not {self.accuracy_level}")
         if self.method not in INT4_METHODS:
             raise ValueError(f"int4 method must be one of {', '.join(INT4_METHODS)}, not '{self.method}'")
+        unknown = [role for role in self.eight_bit if role not in EIGHT_BIT_ROLES]
+        if unknown:
+            raise ValueError(f"unknown 8-bit role '{unknown[0]}'; use any of: {', '.join(EIGHT_BIT_ROLES)}")
+        object.__setattr__(self, "eight_bit", tuple(sorted(set(self.eight_bit), key=EIGHT_BIT_ROLES.index)))

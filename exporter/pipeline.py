@@ -148,8 +148,8 @@ def export(
     profile = _profile(ep)
     precision = choose_precision(profile, precision)
     int4 = int4_options(profile, precision, int4)
-    if int4_encoders and precision != "int4":
-        raise ExporterError(f"int4_encoders applies to precision int4, not {precision}")
+    if int4_encoders and PRECISIONS[precision].weight_bits is None:
+        raise ExporterError(f"int4_encoders applies to precision int4 or int8, not {precision}")
     if max_length is not None and max_length < 1:
         raise ExporterError(f"max_length must be 1 or more, not {max_length}")
     cache_folder = graph_cache.chosen_folder(cache)

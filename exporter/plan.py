@@ -55,13 +55,18 @@ class ExportSettings:
         return PRECISIONS[self.precision].weight_bytes
 
     def quantized(self, session) -> bool:
-        """Whether ``session``'s weights are stored in int4: the decoder's and the embedding's at
-        int4; an encoder's only with ``int4_encoders``."""
-        return self.precision == "int4" and (not session.is_encoder or self.int4_encoders)
+        """Whether ``session``'s weights are stored block-quantized: the decoder's and the
+        embedding's at int4 and int8; an encoder's only with ``int4_encoders``."""
+        return self.weight_bits is not None and (not session.is_encoder or self.int4_encoders)
+
+    @property
+    def weight_bits(self) -> int | None:
+        """The bits of the precision's block-quantized weights; None at float precisions."""
+        return PRECISIONS[self.precision].weight_bits
 
     def stored_weight_bytes(self, session) -> float:
         """Bytes a weight of ``session`` takes in the package (what buffer limits are checked with)."""
-        if self.precision == "int4" and not self.quantized(session):
+        if self.weight_bits is not None and not self.quantized(session):
             return self.compute_dtype.itemsize
         return self.weight_bytes
 

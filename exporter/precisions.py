@@ -2,18 +2,21 @@
 stored weight takes, and how far its packages may differ from the CPU and from transformers.
 
 ``fp32``, ``fp16`` and ``bf16`` trace the model in that dtype (the graph computes what transformers
-computes in it). ``int4`` stores 4-bit weights and computes in the profile's ``int4_activations``
-(fp16 on GPUs, fp32 on the CPU, whose 4-bit kernels take fp32 best).
+computes in it). ``int4`` stores 4-bit weights (some 8-bit where ``Int4Options.eight_bit`` says)
+and ``int8`` 8-bit weights, both computing in the profile's ``int4_activations`` (fp16 on GPUs,
+fp32 on the CPU, whose block-quantized kernels take fp32 best).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ep_profiles import EpProfile
+from exporter.distribution import DistributionBounds
 from exporter.errors import ExporterError
 from exporter.int4_options import Int4Options
 
@@ -41,6 +44,11 @@ class Precision:
     # |logit| (fp16 on WebGPU, whose MatMul sums in fp16: 1.05 off at K=2048 for sums of ~125,
     # against 0.031 on the CPU EP, measured on lavapipe).
     relative_logits: float = 0.0
+    # Bits of a block-quantized weight (MatMulNBits, GatherBlockQuantized); None: float weights.
+    weight_bits: int | None = None
+    # ``check --against`` of a quantized package: bounds on its distribution against transformers
+    # (``exporter.distribution``) in place of the per-step logit and token rules.
+    distribution: DistributionBounds | None = None
 
     def logit_bound(self, absolute: float, reference: np.ndarray) -> float:
         """``absolute`` (``ep_logits`` or ``source_logits``), or ``relative_logits`` of the largest
@@ -67,6 +75,15 @@ class Precision:
 # models); fp16 on a trained tiny Gemma 4 by 4.7e-3, on the real Gemma 3 270M by up to 0.26; bf16 keeps 3 fewer
 # mantissa bits than fp16; int4's weights themselves differ (trained tiny Gemma 4: 0.54 at logit
 # std 1.5).
+# distribution (check --against of quantized packages, on Pride and Prejudice's opening and the
+# generations' steps; 2026-12-07): the real Gemma 3 270M's default int4 package: mean KL 0.183,
+# top-1 93.8% (near ties within 1.0 agreeing), perplexity 1.27x; its former default (symmetric, all
+# 4-bit) 0.417, 82.7%, 1.64x; broken the ways an exporter breaks (every MatMulNBits' scales one
+# block off; the embedding scale dropped) 10.9-11.1, 2-4%, >5e4x. Qwen2.5-Coder 0.5B: default
+# 0.051, 99.3%, 1.06x; former default 0.124, 95.3%, 1.10x; broken (scales; transposed attention
+# output projections) 7.8-12.5, 3-8%, >2e3x. The int4 bounds sit between a lossy-but-right package
+# and a broken one, with a wide margin on each side; int8 (0.003 and 0.0008; 99.8% and 100%;
+# 1.005x and 1.004x) has its own.
 PRECISIONS: dict[str, Precision] = {
     p.name: p
     for p in (
@@ -74,7 +91,10 @@ PRECISIONS: dict[str, Precision] = {
         Precision("fp16", "float16", 2, ep_near_tie=0.25, ep_logits=0.25, source_logits=0.25, source_near_tie=0.25,
                   relative_logits=0.03),
         Precision("bf16", "bfloat16", 2, ep_near_tie=0.5, ep_logits=1.0, source_logits=1.0, source_near_tie=0.5),
-        Precision("int4", None, 0.5625, ep_near_tie=0.5, ep_logits=3.0, source_logits=3.0, source_near_tie=1.0),
+        Precision("int4", None, 0.5625, ep_near_tie=0.5, ep_logits=3.0, source_logits=3.0, source_near_tie=1.0,
+                  weight_bits=4, distribution=DistributionBounds(mean_kl=1.0, top1=0.6, perplexity_ratio=2.0)),
+        Precision("int8", None, 1.0625, ep_near_tie=0.5, ep_logits=1.0, source_logits=1.0, source_near_tie=0.5,
+                  weight_bits=8, distribution=DistributionBounds(mean_kl=0.02, top1=0.9, perplexity_ratio=1.02)),
     )
 }
 
@@ -89,11 +109,26 @@ def choose_precision(profile: EpProfile, asked: str | None) -> str:
     return asked
 
 
+def default_int4_options(profile: EpProfile) -> Int4Options:
+    """``Int4Options()``, less its 8-bit roles on a profile whose EP was not measured running 8-bit
+    weights (those keep every weight at 4 bits, as before the roles existed)."""
+    if 8 in profile.weight_bit_widths:
+        return Int4Options()
+    return Int4Options(eight_bit=())
+
+
 def int4_options(profile: EpProfile, precision: str, given: Int4Options | None) -> Int4Options | None:
-    """The int4 settings of an export: ``given``, or the defaults with the profile's accuracy level;
-    None for other precisions (where options given are an error)."""
-    if precision != "int4":
-        if given is not None:
-            raise ExporterError(f"int4 options apply to --precision int4, not {precision}")
+    """The block-quantization settings of an export: at int4 ``given``, or the defaults with the
+    profile's accuracy level; at int8 the defaults (8 bits everywhere, symmetric round-to-nearest,
+    the profile's accuracy level); None for float precisions. Options given for another precision
+    than int4 are an error."""
+    if precision != "int4" and given is not None:
+        raise ExporterError(f"int4 options apply to --precision int4, not {precision}")
+    if PRECISIONS[precision].weight_bits is None:
         return None
-    return given or Int4Options(accuracy_level=profile.int4_accuracy_level)
+    options = given or default_int4_options(profile)
+    if options.accuracy_level is None:
+        options = dataclasses.replace(options, accuracy_level=profile.int4_accuracy_level)
+    if options.eight_bit and 8 not in profile.weight_bit_widths:
+        raise ExporterError(f"EP '{profile.name}' was not measured running 8-bit weights; drop --int4-8bit")
+    return options

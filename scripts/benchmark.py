@@ -276,10 +276,15 @@ def alternating_generation(packages: dict, length: int, decode_tokens: int, repe
 
     def run(model):
         params = og.GeneratorParams(model)
+        # min_length: every package decodes the same number of tokens. One that picks its
+        # end-of-sequence token early would otherwise be timed over its first cheap steps alone
+        # (a real Qwen2.5-Coder int4 package stopped after 2 and "decoded" at 2x the rate of
+        # another that ran 16).
         if search_max_length == 0:
-            params.set_search_options(do_sample=False)
+            params.set_search_options(do_sample=False, min_length=length + decode_tokens)
         else:
-            params.set_search_options(max_length=search_max_length or length + decode_tokens, do_sample=False)
+            params.set_search_options(max_length=search_max_length or length + decode_tokens, do_sample=False,
+                                      min_length=length + decode_tokens)
         generator = og.Generator(model, params)
         start = time.perf_counter()
         generator.append_tokens(prompt)

@@ -9,6 +9,7 @@ one fp32 pass. Packages are this exporter's, exported here at the precisions ``-
 
     python scripts/quality_benchmark.py FOLDER --text /usr/share/common-licenses/GPL-3 --export fp32 int4
     python scripts/quality_benchmark.py FOLDER --text FILE --package other/package --tokens 1024
+    python scripts/quality_benchmark.py FOLDER --text FILE --export int8 int4:eight_bit=lm_head+sensitive_layers
 
 Runs on the CPU EP. Perplexity is exp(mean negative log-likelihood of each next token); top-1
 agreement, the share of positions whose best token is transformers'; KL in nats, averaged over
@@ -40,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of the text to score")
     parser.add_argument("--window", type=int, default=256, help="tokens per teacher-forced window")
     parser.add_argument("--ep", default="cpu", help="the profile --export uses (default cpu)")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="write --export's packages into DIR (one folder per setting) and keep them")
     return parser.parse_args(argv)
 
 
@@ -96,19 +99,16 @@ def package_log_probs(package: Path, windows: list[list[int]], vocab: int) -> li
 
 
 def quality(reference: list[np.ndarray], package: list[np.ndarray], windows: list[list[int]]) -> dict[str, float]:
-    """Perplexity of the package (and of the reference), top-1 agreement and mean KL(ref || package)."""
-    nll = nll_ref = kl = agree = count = 0.0
+    """Perplexity of the package (and of the reference), top-1 agreement and mean KL(ref || package)
+    (``exporter.distribution``, the measure ``check --against`` bounds quantized packages by)."""
+    from exporter.distribution import DistributionTotals
+
+    totals = DistributionTotals()
     for want, got, ids in zip(reference, package, windows, strict=True):
-        targets = np.array(ids[1:])
-        want, got = want[:-1], got[:-1]  # the last position predicts past the window
-        positions = np.arange(len(targets))
-        nll -= got[positions, targets].sum()
-        nll_ref -= want[positions, targets].sum()
-        kl += (np.exp(want) * (want - got)).sum()
-        agree += (want.argmax(-1) == got.argmax(-1)).sum()
-        count += len(targets)
-    return {"perplexity": float(np.exp(nll / count)), "reference_perplexity": float(np.exp(nll_ref / count)),
-            "top1": float(agree / count), "kl": float(kl / count), "positions": int(count)}
+        # The last position predicts past the window.
+        totals.add(want[:-1], got[:-1], np.array(ids[1:]))
+    return {"perplexity": totals.perplexity, "reference_perplexity": totals.reference_perplexity,
+            "top1": totals.top1_share, "kl": totals.mean_kl, "positions": totals.positions}
 
 
 def package_bytes(package: Path) -> int:
@@ -116,7 +116,8 @@ def package_bytes(package: Path) -> int:
 
 
 def export_variant(source: str, spec: str, ep: str, folder: Path):
-    """``fp32``, ``int4``, ``int4:method=k_quant,symmetric=false``: an export of ``source``."""
+    """``fp32``, ``int8``, ``int4``, ``int4:method=k_quant,symmetric=false``,
+    ``int4:eight_bit=lm_head+sensitive_layers``: an export of ``source``."""
     from exporter import export
     from exporter.int4_options import Int4Options
 
@@ -124,6 +125,9 @@ def export_variant(source: str, spec: str, ep: str, folder: Path):
     options = {}
     for pair in filter(None, settings.split(",")):
         key, _, value = pair.partition("=")
+        if key == "eight_bit":
+            options[key] = tuple(value.split("+"))
+            continue
         options[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     int4 = Int4Options(**options) if options else None
     return export(source, ep=ep, precision=precision, int4=int4, output_dir=folder, cache=False).path
@@ -138,7 +142,8 @@ def main(argv=None) -> int:
         packages = {str(path): path for path in args.package}
         for spec in args.export:
             print(f"exporting {spec} ...", file=sys.stderr, flush=True)
-            packages[spec] = export_variant(args.source, spec, args.ep, Path(scratch) / spec.replace(":", "_"))
+            folder = (args.keep or Path(scratch)) / spec.replace(":", "_").replace(",", "_").replace("=", "-")
+            packages[spec] = export_variant(args.source, spec, args.ep, folder)
         if not packages:
             raise SystemExit("error: name --export settings or --package folders to measure")
         first = next(iter(packages.values()))
@@ -150,6 +155,9 @@ def main(argv=None) -> int:
             print(f"scoring {name} ...", file=sys.stderr, flush=True)
             vocab = json.loads((path / "genai_config.json").read_text())["model"]["vocab_size"]
             rows.append((name, quality(reference, package_log_probs(path, windows, vocab), windows), package_bytes(path)))
+            result = rows[-1][1]
+            print(f"  {name}: perplexity {result['perplexity']:.3f}, top-1 {result['top1']:.1%}, "
+                  f"KL {result['kl']:.4f}", file=sys.stderr, flush=True)
     base = rows[0][1]["reference_perplexity"]
     print(f"\n## Quality against transformers fp32, {args.source}, {rows[0][1]['positions']} positions of {args.text.name} "
           f"(windows of {args.window}); transformers fp32 perplexity {base:.3f}\n")

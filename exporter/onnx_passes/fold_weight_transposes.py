@@ -24,8 +24,8 @@ class FoldWeightTransposes:
     ``scripts/benchmark.py --transposed-matmul``).
     Elsewhere ``Transpose(weight)`` becomes one transposed initializer, lazy (computed when
     written); a weight with other readers (a tied head) is then stored twice, except in an int4
-    export, whose quantizer stores a tied table once and reads it through the Transpose (and
-    quantizes MatMuls only, so int4 keeps MatMul)."""
+    (or int8) export, whose quantizer stores a tied table once and reads it through the Transpose (and
+    quantizes MatMuls only, so it keeps MatMul)."""
 
     name = "fold_weight_transposes"
 
@@ -33,7 +33,7 @@ class FoldWeightTransposes:
         return "MatMuls read their weights as stored instead of transposing them at every step"
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
-        quantizing = facts.precision == "int4"
+        quantizing = facts.weight_bits is not None
         graph, folded, read_transposed, tied = model.graph, 0, 0, 0
         reshaped = 0
         for node in list(graph):  # in topological order: a Reshape/Transpose chain folds link by link

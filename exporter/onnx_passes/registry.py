@@ -8,7 +8,7 @@ from exporter.onnx_passes.matmul_kv_shared_attention import MatmulKvSharedAttent
 from exporter.onnx_passes.norm_fusions import FuseRmsNorms, FuseSkipRmsNorms
 from exporter.onnx_passes.omit_unread_presents import OmitUnreadPresents
 from exporter.onnx_passes.pad_audio_frames import PadAudioFrames
-from exporter.onnx_passes.quantize_int4 import QuantizeInt4
+from exporter.onnx_passes.quantize_weights import QuantizeWeights
 from exporter.onnx_passes.scale_residual_stream import ScaleResidualStream
 from exporter.onnx_passes.static_reshape_targets import StaticReshapeTargets
 from exporter.onnx_passes.tidy import Tidy
@@ -32,5 +32,5 @@ ONNX_PASSES = {p.name: p for p in (
     FoldConstants(after_fusions=True),
     FoldConstants(after_fusions=True, towers=True),
     ScaleResidualStream(),  # after the norm fusions, whose epsilons it rescales; before int4 reads the weights
-    QuantizeInt4(),
+    QuantizeWeights(),
 )}

@@ -91,8 +91,17 @@ def test_unsupported_ep_and_precision(tmp_path, capsys):
     code, message = _run_cli(["tiny-llama", "--ep", "tpu", "-o", str(tmp_path / "b")], capsys)
     assert code == 2 and "unknown EP 'tpu'" in message and "webgpu" in message
     with pytest.raises(SystemExit) as exited:
-        main(["tiny-llama", "--precision", "int8", "-o", str(tmp_path / "c")])
-    assert exited.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+        main(["tiny-llama", "--precision", "int2", "-o", str(tmp_path / "c")])
+    assert exited.value.code == 2 and "invalid choice: 'int2'" in capsys.readouterr().err
+    code, message = _run_cli(["tiny-llama", "--precision", "int4", "--int4-8bit", "lm_head,attention", "-o",
+                              str(tmp_path / "g")], capsys)
+    assert code == 2 and "unknown 8-bit role 'attention'" in message and "sensitive_layers" in message
+    code, message = _run_cli(["tiny-llama", "--precision", "int8", "--int4-8bit", "lm_head", "-o",
+                              str(tmp_path / "h")], capsys)
+    assert code == 2 and "--int4-8bit applies to --precision int4, not int8" in message
+    code, message = _run_cli(["tiny-llama", "--ep", "cuda", "--precision", "int4", "--int4-8bit", "lm_head", "-o",
+                              str(tmp_path / "i")], capsys)
+    assert code == 2 and "EP 'cuda' was not measured running 8-bit weights" in message
     code, message = _run_cli(["tiny-llama", "--int4-block-size", "64", "-o", str(tmp_path / "e")], capsys)
     assert code == 2 and "--int4-block-size applies to --precision int4, not fp32" in message
     code, message = _run_cli(["tiny-llama", "--precision", "int4", "--int4-block-size", "24", "-o",

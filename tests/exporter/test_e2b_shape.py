@@ -94,7 +94,7 @@ def test_random_weights_int4_webgpu_package_passes_check(tmp_path, capsys):
     # the window); GroupQueryAttention writes the 15 caches and runs the full layers.
     decoder = report["sessions"]["decoder"]
     assert decoder["op_counts"]["com.microsoft.GroupQueryAttention"] == 19
-    quantization = next(p["changes"] for p in decoder["onnx_passes"] if p["name"] == "quantize_int4")
+    quantization = next(p["changes"] for p in decoder["onnx_passes"] if p["name"] == "quantize_weights")
     assert quantization["tables_shared_with_lm_head"] == 1
     capsys.readouterr()
     assert main(["check", str(out), "--ep", "webgpu"]) == 0

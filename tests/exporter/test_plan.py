@@ -29,7 +29,7 @@ TIDY_AND_FUSE = ["tidy", "fuse_rms_norms", "fuse_skip_rms_norms", "fold_fusion_c
 # KV-shared layers (Gemma 4) without the present outputs nobody reads, and on one query per row as
 # MatMul/Softmax, where the EP's kernel was run so.
 TIDY_OMIT_AND_FUSE = [TIDY_AND_FUSE[0], "omit_unread_presents", "matmul_kv_shared_attention", *TIDY_AND_FUSE[1:]]
-INT4 = ["quantize_int4"]
+INT4 = ["quantize_weights"]  # int4 and int8
 # fp16 activations (fp16, and int4 on every profile but cpu): the decoder's residual stream scaled
 # into fp16's range by the power of two its float32 peaks need.
 SCALE = ["scale_residual_stream"]
@@ -46,6 +46,7 @@ ONNX_CAPTURED_FP16 = ONNX_CAPTURED + SCALE
 GOLDEN = {
     ("tiny-gemma-4", "cpu", "fp32"): (GEMMA4_FX, ONNX_SHARED_KV),
     ("tiny-gemma-4", "cpu", "int4"): (GEMMA4_FX, ONNX_SHARED_KV + INT4),
+    ("tiny-gemma-4", "cpu", "int8"): (GEMMA4_FX, ONNX_SHARED_KV + INT4),
     ("tiny-gemma-4", "cuda", "fp16"): (GEMMA4_FX, ONNX_FP16),
     ("tiny-gemma-4", "cuda", "bf16"): (GEMMA4_FX, ONNX_BF16),
     ("tiny-gemma-4", "cuda", "fp32"): ([*CLEANUP, LAST_TOKEN, TRUNCATE], ONNX),  # no fp32 GroupQueryAttention
@@ -56,12 +57,14 @@ GOLDEN = {
     ("tiny-gemma-4", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED_FP16),
     ("tiny-gemma-4", "webgpu", "fp32"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED),
     ("tiny-gemma-4", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED_FP16 + INT4),
+    ("tiny-gemma-4", "webgpu", "int8"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN, TRUNCATE], ONNX_CAPTURED_FP16 + INT4),
     ("tiny-gemma-4", "trt-rtx", "fp16"): (GEMMA4_FX, ONNX_FP16),
     ("tiny-gemma-4", "trt-rtx", "bf16"): (GEMMA4_FX, ONNX_BF16),
     ("tiny-gemma-4", "trt-rtx", "fp32"): ([*CLEANUP, LAST_TOKEN, TRUNCATE], ONNX),
     ("tiny-gemma-4", "trt-rtx", "int4"): (GEMMA4_FX, ONNX_FP16 + INT4),
     ("tiny-llama", "cpu", "fp32"): (LLAMA_FX, ONNX),
     ("tiny-llama", "cpu", "int4"): (LLAMA_FX, ONNX + INT4),
+    ("tiny-llama", "cpu", "int8"): (LLAMA_FX, ONNX + INT4),
     ("tiny-llama", "cuda", "fp16"): (LLAMA_FX, ONNX_FP16),
     ("tiny-llama", "cuda", "bf16"): (LLAMA_FX, ONNX_BF16),
     ("tiny-llama", "cuda", "fp32"): ([*CLEANUP, LAST_TOKEN], ONNX),
@@ -72,6 +75,7 @@ GOLDEN = {
     ("tiny-llama", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED_FP16),
     ("tiny-llama", "webgpu", "fp32"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED),
     ("tiny-llama", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED_FP16 + INT4),
+    ("tiny-llama", "webgpu", "int8"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED_FP16 + INT4),
     ("tiny-llama", "trt-rtx", "fp16"): (LLAMA_FX, ONNX_FP16),
     ("tiny-llama", "trt-rtx", "bf16"): (LLAMA_FX, ONNX_BF16),
     ("tiny-llama", "trt-rtx", "fp32"): ([*CLEANUP, LAST_TOKEN], ONNX),

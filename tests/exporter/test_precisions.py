@@ -1,4 +1,4 @@
-"""fp16, bf16 and int4 packages: structure (L1), logit error against PyTorch fp32 (L3), greedy
+"""fp16, bf16, int4 and int8 packages: structure (L1), logit error against PyTorch fp32 (L3), greedy
 continuations against transformers fp32 (L4 on the CPU EP, L5 on WebGPU).
 
 Accuracy is measured on a tiny Gemma 4 trained on the built-in text (``trained_model``): its
@@ -47,8 +47,13 @@ PROMPT_LENGTH = 12
 # bounds are about 2x the largest, still far below a margin that decides a token.
 # K-quant is worse than round-to-nearest on this tiny model (1.85 and 2.03; its rows are 64 wide),
 # better on the real Gemma 3 270M (README, "int4 quality on real weights"): bound 2.5.
+# 2026-12-07, after int4's default became asymmetric with an 8-bit head and sensitive layers:
+# int4 0.66 (cpu) and 0.69 (webgpu), the former default ("plain") 0.59 and 0.60, k_quant 0.55;
+# on this tiny model the new default is no better (on the real checkpoints it is: README); int8
+# 0.052 (cpu, int8 compute) and 0.129 (webgpu, fp16 activations): bound 0.3.
 LOGIT_TOLERANCE = {"fp32": 1e-4, "fp16": 2.5e-2, "int4-cpu": 1.0, "int4-webgpu": 1.0, "int4-k_quant-cpu": 2.5,
-                   "int4-k_quant-webgpu": 2.5}
+                   "int4-k_quant-webgpu": 2.5, "int4-plain-cpu": 1.0, "int4-plain-webgpu": 1.0, "int8-cpu": 0.3,
+                   "int8-webgpu": 0.3}
 
 PACKAGES = {  # name -> (ep, precision)
     "fp32": ("cpu", "fp32"),
@@ -57,16 +62,23 @@ PACKAGES = {  # name -> (ep, precision)
     "int4-webgpu": ("webgpu", "int4"),
     "int4-k_quant-cpu": ("cpu", "int4"),
     "int4-k_quant-webgpu": ("webgpu", "int4"),
+    "int4-plain-cpu": ("cpu", "int4"),  # the former default: symmetric, every weight 4-bit
+    "int4-plain-webgpu": ("webgpu", "int4"),
+    "int8-cpu": ("cpu", "int8"),
+    "int8-webgpu": ("webgpu", "int8"),
 }
+
 
 
 def _int4_options(name: str, ep: str):
     from ep_profiles import get_profile
     from exporter.precisions import int4_options
 
-    if "k_quant" not in name:
-        return None
-    return dataclasses.replace(int4_options(get_profile(ep), "int4", None), method="k_quant")
+    if "k_quant" in name:
+        return dataclasses.replace(int4_options(get_profile(ep), "int4", None), method="k_quant")
+    if "plain" in name:
+        return dataclasses.replace(int4_options(get_profile(ep), "int4", None), symmetric=True, eight_bit=())
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +116,7 @@ def test_fp16_package_computes_in_fp16(trained):
 @pytest.mark.l1
 def test_int4_package_quantizes_every_linear_and_the_tied_embedding_once(trained):
     package = trained[2]["int4-webgpu"]
-    counts, quantization = package.report.op_counts, package.report.onnx_pass_changes("quantize_int4")
+    counts, quantization = package.report.op_counts, package.report.onnx_pass_changes("quantize_weights")
     assert "com.microsoft.MatMulNBits" in counts and "com.microsoft.GatherBlockQuantized" in counts
     # Per decoder layer: q, k, v (owners), o, gate, up, down, per-layer gate and projection.
     assert quantization["matmuls"] == counts["com.microsoft.MatMulNBits"]
@@ -125,15 +137,15 @@ def test_k_quant_blocks_are_onnx_runtimes_k_quant_in_matmulnbits_layout():
     exactly what ONNX Runtime's K-quant search chose, padding included, a row chunk at a time."""
     from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor_k_quant_cpu
 
-    from exporter.onnx_passes import quantize_int4
+    from exporter.onnx_passes import quantize_weights
 
     rng = np.random.default_rng(0)
     weight = (rng.standard_normal((40, 200)) * np.linspace(0.1, 2.0, 200)).astype(np.float32)  # [n, k]
-    quantize_int4.K_QUANT_ROWS, rows = 16, quantize_int4.K_QUANT_ROWS  # three chunks, the last partial
+    quantize_weights.K_QUANT_ROWS, rows = 16, quantize_weights.K_QUANT_ROWS  # three chunks, the last partial
     try:
-        blob, scales, zero_points = quantize_int4.k_quant_blocks(weight, 32)
+        blob, scales, zero_points = quantize_weights.k_quant_blocks(weight, 32)
     finally:
-        quantize_int4.K_QUANT_ROWS = rows
+        quantize_weights.K_QUANT_ROWS = rows
     assert blob.shape == (40, 7, 16) and scales.shape == (40, 7) and zero_points.shape == (40, 4)
     q = np.stack([blob & 15, blob >> 4], axis=-1).reshape(40, 7, 32).astype(np.float32)
     zero = np.stack([zero_points & 15, zero_points >> 4], axis=-1).reshape(40, 8)[:, :7, None].astype(np.float32)
@@ -155,9 +167,55 @@ def test_k_quant_package_has_zero_points_but_where_a_table_cannot(trained):
     with_zero_points = [n for n in quantized if len(n.inputs) >= 4 and n.inputs[3] is not None]
     without = [n for n in quantized if n not in with_zero_points]
     assert with_zero_points and without and all(n.op_type == "GatherBlockQuantized" for n in without)
-    assert package.report.onnx_pass_changes("quantize_int4")["tables_without_zero_points"] == len(without)
+    assert package.report.onnx_pass_changes("quantize_weights")["tables_without_zero_points"] == len(without)
     assert "k_quant" in next(p["why"] for p in package.report.plan["sessions"][0]["onnx_passes"]
-                             if p["name"] == "quantize_int4")
+                             if p["name"] == "quantize_weights")
+
+
+def _bits(package) -> dict[str, list[int]]:
+    graph = ir.load(str(package.model_path)).graph
+    found = {"MatMulNBits": [], "GatherBlockQuantized": []}
+    for node in graph:
+        if node.op_type in found:
+            found[node.op_type].append(node.attributes["bits"].value)
+    return found
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("name", ["int8-cpu", "int8-webgpu"])
+def test_int8_package_stores_every_weight_in_8_bits_and_the_tied_table_once(trained, name):
+    package = trained[2][name]
+    bits = _bits(package)
+    assert bits["MatMulNBits"] and set(bits["MatMulNBits"]) == {8}
+    assert bits["GatherBlockQuantized"] and set(bits["GatherBlockQuantized"]) == {8}
+    changes = package.report.onnx_pass_changes("quantize_weights")
+    assert changes["tables_shared_with_lm_head"] == 1 and not any(k.startswith("eight_bit_") for k in changes)
+
+
+@pytest.mark.l1
+def test_default_int4_stores_the_lm_head_and_the_sensitive_layers_in_8_bits(trained):
+    """The default int4 on tiny Gemma 4 (10 layers, the last 4 reading earlier layers' KV and so without a value
+    projection): the sensitive layers are 0, 8 and 9 (the first and last eighth) and 3 and 6
+    (every third between); each has a down projection, 0 and 3 a value projection too. The tied
+    head takes its embedding table to 8 bits with it: stored once."""
+    package = trained[2]["int4-webgpu"]
+    changes = package.report.onnx_pass_changes("quantize_weights")
+    assert changes["eight_bit_lm_head"] == 1
+    assert changes["eight_bit_sensitive_layers"] == 5 + 2
+    bits = _bits(package)
+    assert bits["MatMulNBits"].count(8) == 1 + 7 and bits["MatMulNBits"].count(4) > 0
+    assert sorted(bits["GatherBlockQuantized"]).count(8) == 1, "the tied table is the head's 8-bit blob"
+    assert changes["tables_shared_with_lm_head"] == 1
+
+
+@pytest.mark.l1
+def test_sensitive_layers_are_llama_cpps_more_bits_layers():
+    """llama.cpp's use_more_bits(i, n), in integer division: i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2."""
+    from exporter.onnx_passes.quantize_weights import sensitive_layer
+
+    assert [i for i in range(35) if sensitive_layer(i, 35)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31,
+                                                                 32, 33, 34]
+    assert [i for i in range(18) if sensitive_layer(i, 18)] == [0, 1, 4, 7, 10, 13, 15, 16, 17]
 
 
 @pytest.mark.l1
@@ -165,7 +223,7 @@ def test_int4_cpu_package_keeps_matmuls_for_its_quantizer(trained):
     """On cpu a float weight is read as stored by FusedMatMul; at int4 every linear stays a MatMul
     that the quantizer turns into MatMulNBits (none is left in float)."""
     package = trained[2]["int4-cpu"]
-    counts, quantization = package.report.op_counts, package.report.onnx_pass_changes("quantize_int4")
+    counts, quantization = package.report.op_counts, package.report.onnx_pass_changes("quantize_weights")
     assert "com.microsoft.FusedMatMul" not in counts
     assert quantization["matmuls"] == counts["com.microsoft.MatMulNBits"] > 0
 
@@ -246,7 +304,7 @@ def test_greedy_continuation_matches_transformers_fp32(trained, name):
 
 @pytest.mark.l5
 @pytest.mark.xdist_group("webgpu")
-@pytest.mark.parametrize("name", ["fp16", "int4-webgpu", "int4-k_quant-webgpu"])
+@pytest.mark.parametrize("name", ["fp16", "int4-webgpu", "int4-k_quant-webgpu", "int4-plain-webgpu", "int8-webgpu"])
 def test_webgpu_greedy_continuation_matches_transformers_fp32(trained, name):
     from helpers.webgpu import require_webgpu
 

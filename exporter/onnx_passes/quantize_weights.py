@@ -1,5 +1,5 @@
-"""Weight-only 4-bit quantization: MatMul -> MatMulNBits, embedding Gather -> GatherBlockQuantized,
-MoE -> QMoE.
+"""Weight-only block quantization (int4, int8, and int4 with some weights at 8 bits): MatMul ->
+MatMulNBits, embedding Gather -> GatherBlockQuantized, MoE -> QMoE (4-bit only).
 
 The numbers come from ONNX Runtime's own block quantizer (``DefaultWeightOnlyQuantizer``'s
 ``qbits_block_quant``, the kernel behind ``MatMulNBitsQuantizer``). What this module adds, and why
@@ -13,13 +13,16 @@ GatherBlockQuantized's uint8 data (ONNX Runtime GenAI's model builder shares it 
 
 Quantized: every MatMul whose weight is a 2-D initializer (or the Transpose of one, the form
 torch.onnx leaves for weights too large to fold), and every Gather along axis 0 of a 2-D
-initializer table (embeddings, per-layer tables and their pieces).
+initializer table (embeddings, per-layer tables and their pieces). Each weight's bits come from
+the precision (``int8``: all 8) and, at int4, from ``Int4Options.eight_bit``: the LM head is the
+MatMul that computes the ``logits`` output, and a layer's value and down projections are found by
+the checkpoint tensor their initializer reads (``exporter.weights.made_from``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,26 +51,49 @@ DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer = _import_quantizer()
 MICROSOFT = "com.microsoft"
 
 
+@dataclass(frozen=True)
+class BlockFormat:
+    """How one weight is stored: ``bits`` per value, a scale per ``block_size`` values along K,
+    zero points unless ``symmetric`` (K-quant always has them)."""
+
+    bits: int
+    block_size: int
+    symmetric: bool
+    method: str = "rtn"
+
+    @property
+    def zero_points(self) -> bool:
+        return not self.symmetric or self.method == "k_quant"
+
+    def blob_width(self) -> int:
+        """Bytes of one block."""
+        return self.block_size * self.bits // 8
+
+    def zero_point_width(self, blocks: int) -> int:
+        """Bytes of one row's zero points: two per byte at 4 bits."""
+        return -(-blocks * self.bits // 8)
+
+
 class _Blocks:
     """One weight's quantized parts (blob, scales, zero points), computed on first read and
     dropped once each part has been read, so saving holds one weight's parts at a time."""
 
-    def __init__(self, weight: ir.TensorProtocol, transposed: bool, options: Int4Options):
-        self.weight, self.transposed, self.options = weight, transposed, options
-        self.wanted = ("blob", "scales", "zero_points") if options.zero_points else ("blob", "scales")
+    def __init__(self, weight: ir.TensorProtocol, transposed: bool, block_format: BlockFormat):
+        self.weight, self.transposed, self.format = weight, transposed, block_format
+        self.wanted = ("blob", "scales", "zero_points") if block_format.zero_points else ("blob", "scales")
         self.parts: dict[str, np.ndarray] | None = None
         self.unread: set[str] = set()
 
     def part(self, name: str) -> ir.Tensor:
         if self.parts is None:
             values = self.weight.numpy()
-            if self.options.method == "k_quant":
+            if self.format.method == "k_quant":
                 blob, scales, zero_points = k_quant_blocks(values if self.transposed else values.T,
-                                                           self.options.block_size)
+                                                           self.format.block_size)
             else:
                 k_by_n = np.ascontiguousarray(values.T if self.transposed else values)
                 config = DefaultWeightOnlyQuantConfig(
-                    block_size=self.options.block_size, is_symmetric=self.options.symmetric
+                    block_size=self.format.block_size, is_symmetric=self.format.symmetric, bits=self.format.bits
                 )
                 blob, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(k_by_n)
             self.parts = dict(zip(("blob", "scales", "zero_points"), (blob, scales, zero_points), strict=True))
@@ -99,7 +125,12 @@ def k_quant_blocks(n_by_k: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarr
         rows = np.asarray(n_by_k[start:start + K_QUANT_ROWS], np.float32)
         if k % block:  # zeros fill the last block, as MatMulNBits' K pads
             rows = np.pad(rows, ((0, 0), (0, blocks * block - k)))
-        q, scale, zero = quant_tensor_k_quant_cpu(rows, 4, block)
+        # A block whose candidate fit is degenerate (D = 0) divides by zero; its NaN error never
+        # beats the running best, so that candidate is never taken.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            q, scale, zero = quant_tensor_k_quant_cpu(rows, 4, block)
+        if not np.isfinite(scale).all():
+            raise ExporterError(f"K-quant gave a non-finite scale in rows {start}-{start + len(rows)} of a weight")
         q = q.astype(np.uint8).reshape(len(rows), blocks, block)
         blob[start:start + len(rows)] = q[..., 0::2] | (q[..., 1::2] << 4)
         scales[start:start + len(rows)] = scale.reshape(len(rows), blocks)
@@ -136,46 +167,63 @@ class _ExpertBlocks:
 
 @dataclass
 class _Quantized:
-    blob: ir.Value  # uint8 [n, blocks, block / 2]
+    blob: ir.Value  # uint8 [n, blocks, block * bits / 8]
     scales: ir.Value  # [n, blocks], the weight's dtype
-    zero_points: ir.Value | None  # uint8 [n, ceil(blocks / 2)]
+    zero_points: ir.Value | None  # uint8 [n, ceil(blocks * bits / 8)]
     n: int
     k: int
+    format: BlockFormat
 
 
-class QuantizeInt4:
+class QuantizeWeights:
     """The pass: every MatMul with a constant weight and every embedding Gather, at the plan's
-    int4 options; an int4 export with nothing to quantize is an error."""
+    precision and int4 options; a quantized export with nothing to quantize is an error."""
 
-    name = "quantize_int4"
+    name = "quantize_weights"
 
     def applies(self, facts, session) -> str | None:
-        if facts.precision != "int4":
-            return None
         if not facts.quantized(session):
             return None
-        options = facts.int4
-        return (f"int4 weights ({options.method}): block size {options.block_size}, "
-                f"{'asymmetric' if options.zero_points else 'symmetric'}, accuracy level {options.accuracy_level}")
+        options, bits = facts.int4, facts.weight_bits
+        eight = f"; 8-bit {', '.join(options.eight_bit)}" if bits == 4 and options.eight_bit else ""
+        return (f"{bits}-bit weights ({options.method if bits == 4 else 'rtn'}): block size {options.block_size}, "
+                f"{'asymmetric' if options.zero_points and bits == 4 else 'symmetric'}, "
+                f"accuracy level {options.accuracy_level}{eight}")
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
-        quantizer = _Quantizer(facts.int4)
+        quantizer = _Quantizer(facts.int4, facts.weight_bits, facts.layout.num_layers, facts.profile.max_buffer_size)
         quantizer.run(model)
         if not quantizer.matmuls and not quantizer.gathers:
-            raise ExporterError("int4 quantization found no MatMul with a constant weight and no embedding table to quantize")
+            raise ExporterError("weight quantization found no MatMul with a constant weight and no embedding table to quantize")
         return {"matmuls": quantizer.matmuls, "gathers": quantizer.gathers,
                 "tables_shared_with_lm_head": quantizer.shared_tables, "experts_blocks": quantizer.experts_blocks,
-                # MoE blocks QMoE cannot take here (asymmetric blocks, a width the block size does not
-                # divide, biased experts): their experts stay float.
+                # MoE blocks QMoE cannot take here (a width the block size does not divide, biased
+                # experts, int8): their experts stay float.
                 "float_experts_blocks": quantizer.float_experts_blocks,
-                "tables_without_zero_points": quantizer.tables_without_zero_points}
+                "tables_without_zero_points": quantizer.tables_without_zero_points,
+                # Weights stored at 8 bits in an int4 export (Int4Options.eight_bit), by role, and
+                # those kept at 4 because their 8-bit blob would pass the profile's buffer limit.
+                **{f"eight_bit_{role}": count for role, count in quantizer.eight_bit.items()},
+                **({"eight_bit_over_buffer_limit": quantizer.over_buffer_limit} if quantizer.over_buffer_limit else {})}
+
+
+_LAYER_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?(v_proj|down_proj)\.weight$")
+
+
+def sensitive_layer(index: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighth of the layers, and every third
+    layer between."""
+    eighth = layers // 8
+    return index < eighth or index >= 7 * layers // 8 or (index - eighth) % 3 == 2
 
 
 class _Quantizer:
-    def __init__(self, options: Int4Options):
-        self.options = options
+    def __init__(self, options: Int4Options, bits: int, layers: int, max_buffer_size: int | None):
+        self.options, self.bits, self.layers, self.max_buffer_size = options, bits, layers, max_buffer_size
+        self.over_buffer_limit = 0
         self.matmuls = self.gathers = self.shared_tables = self.experts_blocks = self.float_experts_blocks = 0
         self.tables_without_zero_points = 0
+        self.eight_bit: dict[str, int] = {role: 0 for role in options.eight_bit} if bits == 4 else {}
 
     def run(self, model: ir.Model) -> None:
         graph = model.graph
@@ -184,6 +232,7 @@ class _Quantizer:
         for node in list(graph):
             if node.op_type == "Gather" and node.domain == "" and (table := _table_of(node)) is not None:
                 tables[id(table)] = table
+        self.lm_head = _lm_head(graph)
         for node in list(graph):
             if node.op_type != "MatMul" or node.domain != "":
                 continue
@@ -199,7 +248,8 @@ class _Quantizer:
                 source, transposed = twin, True
             key = id(source)
             if key not in quantized:
-                quantized[key] = self._quantize(graph, source, transposed, k, n, self._options_for(source, k, tables))
+                quantized[key] = self._quantize(graph, source, transposed, k, n,
+                                                self._format_for(source, k, n, tables, lm_head=node is self.lm_head))
             self._replace_matmul(graph, node, quantized[key])
             self.matmuls += 1
         for node in list(graph):
@@ -212,7 +262,7 @@ class _Quantizer:
                 self.shared_tables += 1
             else:
                 quantized[id(table)] = self._quantize(graph, table, True, width, rows,
-                                                      self._options_for(table, width, tables))
+                                                      self._format_for(table, width, rows, tables, lm_head=False))
             self._replace_gather(graph, node, quantized[id(table)])
             self.gathers += 1
         for node in list(graph):
@@ -228,12 +278,13 @@ class _Quantizer:
         """``MoE`` -> ``QMoE`` with 4-bit experts: each expert's [out, in] matrix quantized by the
         same block quantizer as a MatMul's, its blob [out, blocks, block/2] read as [out, in/2] and
         its scales as [out, blocks] (QMoE's block-wise layout: value = (q - 8) * scale, low nibble
-        first, measured against MoE on ONNX Runtime 1.32's CPU kernel). Only symmetric blocks that
-        divide both widths, and experts without biases; otherwise the block stays fp32."""
+        first, measured against MoE on ONNX Runtime 1.32's CPU kernel): symmetric whatever the
+        options say, since that layout has no zero points. Only blocks that divide both widths,
+        experts without biases, and 4-bit exports; otherwise the block stays fp32."""
         block = self.options.block_size
         fc1, fc2 = node.inputs[2], node.inputs[4]
         biases = [v for i, v in enumerate(node.inputs) if i in (3, 5) and v is not None]
-        if (len(node.inputs) > 5 or not self.options.symmetric or biases or not _is_experts_weight(fc1) or not _is_experts_weight(fc2)
+        if (self.bits != 4 or len(node.inputs) > 5 or biases or not _is_experts_weight(fc1) or not _is_experts_weight(fc2)
                 or fc1.shape[2] % block or fc2.shape[2] % block):
             return False
         inputs = [node.inputs[0], node.inputs[1]]
@@ -255,21 +306,51 @@ class _Quantizer:
         _swap(graph, node, [ir.node("QMoE", inputs, attributes, domain=MICROSOFT, name=f"{node.name}.int4")])
         return True
 
-    def _options_for(self, source: ir.Value, k: int, tables: dict) -> Int4Options:
-        """The export's options, but for a gathered table (and a tied LM head reading it) whose
-        rows span an odd number of blocks: GatherBlockQuantized refuses zero points there (ONNX
-        Runtime 1.32, CPU and WebGPU: "scales and zero_points must have the same shape"), so it
-        is quantized round-to-nearest without them."""
-        if self.options.zero_points and id(source) in tables and -(-k // self.options.block_size) % 2:
+    def _format_for(self, source: ir.Value, k: int, n: int, tables: dict, lm_head: bool) -> BlockFormat:
+        """The export's block format for this weight: 8 bits at int8 and for the roles the int4
+        options name (unless the 8-bit blob would pass the profile's buffer limit, which the
+        split before lowering sized for 4 bits: Gemma 4 E2B's tied head, 384 MiB at 8 bits),
+        else the options' 4-bit format, but for a 4-bit gathered table (and a tied LM head
+        reading it) whose rows span an odd number of blocks: GatherBlockQuantized refuses packed
+        zero points there (ONNX Runtime 1.32, CPU and WebGPU: "scales and zero_points must have
+        the same shape"), so it is quantized round-to-nearest without them."""
+        options = self.options
+        role = self._eight_bit_role(source, tables, lm_head)
+        blocks = -(-k // options.block_size)
+        if role and self.max_buffer_size is not None and n * blocks * options.block_size > self.max_buffer_size:
+            self.over_buffer_limit += 1
+            role = None
+        if self.bits == 8 or role:
+            if role:
+                self.eight_bit[role] += 1
+            return BlockFormat(8, options.block_size, options.symmetric)
+        if options.zero_points and id(source) in tables and -(-k // options.block_size) % 2:
             self.tables_without_zero_points += 1
-            return dataclasses.replace(self.options, symmetric=True, method="rtn")
-        return self.options
+            return BlockFormat(4, options.block_size, True)
+        return BlockFormat(4, options.block_size, options.symmetric, options.method)
+
+    def _eight_bit_role(self, source: ir.Value, tables: dict, lm_head: bool) -> str | None:
+        """The first role of ``Int4Options.eight_bit`` this weight plays at int4, or None."""
+        roles = self.eight_bit
+        if "lm_head" in roles and (lm_head or (self.lm_head is not None and _weight_of(self.lm_head) is source)):
+            return "lm_head"
+        if "embeddings" in roles and id(source) in tables:
+            return "embeddings"
+        if "sensitive_layers" in roles and source.const_value is not None:
+            from exporter.weights import made_from
+
+            chain = made_from(source.const_value)
+            reader = chain[0] if chain else None
+            match = _LAYER_TENSOR.search(reader.tensor_name) if reader is not None else None
+            if match and sensitive_layer(int(match.group(1)), self.layers):
+                return "sensitive_layers"
+        return None
 
     def _quantize(self, graph: ir.Graph, source: ir.Value, transposed: bool, k: int, n: int,
-                  options: Int4Options) -> _Quantized:
+                  block_format: BlockFormat) -> _Quantized:
         """``source`` is the weight as stored: [k, n] (x @ w), or [n, k] when ``transposed``."""
-        blocks = -(-k // self.options.block_size)
-        parts = _Blocks(source.const_value, transposed, options)
+        blocks = -(-k // block_format.block_size)
+        parts = _Blocks(source.const_value, transposed, block_format)
         dtype = source.dtype
 
         def initializer(part: str, suffix: str, part_dtype: ir.DataType, shape: list[int]) -> ir.Value:
@@ -279,34 +360,34 @@ class _Quantizer:
             graph.register_initializer(value)
             return value
 
-        blob = initializer("blob", "int4", ir.DataType.UINT8, [n, blocks, self.options.block_size // 2])
+        blob = initializer("blob", f"int{block_format.bits}", ir.DataType.UINT8, [n, blocks, block_format.blob_width()])
         scales = initializer("scales", "scales", dtype, [n, blocks])
         zero_points = (
-            None if not options.zero_points
-            else initializer("zero_points", "zero_points", ir.DataType.UINT8, [n, -(-blocks // 2)])
+            None if not block_format.zero_points
+            else initializer("zero_points", "zero_points", ir.DataType.UINT8, [n, block_format.zero_point_width(blocks)])
         )
-        return _Quantized(blob, scales, zero_points, n, k)
+        return _Quantized(blob, scales, zero_points, n, k, block_format)
 
     def _replace_matmul(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
         inputs = [node.inputs[0], q.blob, q.scales] + ([q.zero_points] if q.zero_points is not None else [])
-        attributes = {"K": q.k, "N": q.n, "bits": 4, "block_size": self.options.block_size}
+        attributes = {"K": q.k, "N": q.n, "bits": q.format.bits, "block_size": q.format.block_size}
         if self.options.accuracy_level:
             attributes["accuracy_level"] = self.options.accuracy_level
-        replacement = ir.node("MatMulNBits", inputs, attributes, domain=MICROSOFT, name=f"{node.name}.int4")
+        replacement = ir.node("MatMulNBits", inputs, attributes, domain=MICROSOFT, name=f"{node.name}.int{q.format.bits}")
         _swap(graph, node, [replacement])
 
     def _replace_gather(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
-        block = self.options.block_size
+        block = q.format.block_size
         blocks = q.blob.shape[1]
         flat_shape = ir.Value(name=_unique(graph, f"{q.blob.name}.rows"),
-                              const_value=ir.tensor(np.array([q.n, blocks * block // 2], dtype=np.int64)))
+                              const_value=ir.tensor(np.array([q.n, blocks * q.format.blob_width()], dtype=np.int64)))
         graph.register_initializer(flat_shape)
         rows = ir.node("Reshape", [q.blob, flat_shape], name=f"{node.name}.rows")
         inputs = [rows.outputs[0], node.inputs[1], q.scales] + ([q.zero_points] if q.zero_points is not None else [])
         gather = ir.node(
             "GatherBlockQuantized", inputs,
-            {"bits": 4, "block_size": block, "gather_axis": 0, "quantize_axis": 1},
-            domain=MICROSOFT, name=f"{node.name}.int4",
+            {"bits": q.format.bits, "block_size": block, "gather_axis": 0, "quantize_axis": 1},
+            domain=MICROSOFT, name=f"{node.name}.int{q.format.bits}",
         )
         new_nodes = [rows, gather]
         if q.k % block:  # blocks are padded; the padding decodes to garbage
@@ -369,6 +450,22 @@ def _matmul_weight(node: ir.Node) -> tuple[ir.Value, bool] | None:
         and list(producer.attributes.get_ints("perm", [1, 0])) == [1, 0] and _is_weight(producer.inputs[0])
     ):
         return producer.inputs[0], True
+    return None
+
+
+def _weight_of(matmul: ir.Node) -> ir.Value | None:
+    found = _matmul_weight(matmul)
+    return found[0] if found else None
+
+
+def _lm_head(graph: ir.Graph) -> ir.Node | None:
+    """The MatMul that computes the ``logits`` output: found from it back through the first
+    input of what follows the head (a soft cap's Div/Tanh/Mul, a cast)."""
+    value = next((v for v in graph.outputs if v.name == "logits"), None)
+    while value is not None and (node := value.producer()) is not None:
+        if node.op_type == "MatMul" and node.domain == "":
+            return node if _matmul_weight(node) is not None else None
+        value = node.inputs[0] if node.inputs else None
     return None
 
 

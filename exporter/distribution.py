@@ -1,0 +1,98 @@
+"""How far a package's next-token distributions are from transformers' on the same text: the
+measure ``check --against`` judges quantized packages by, and ``scripts/quality_benchmark.py``
+reports.
+
+Per position: KL(transformers || package) in nats, whether the package's best token is
+transformers' best (top-1), or within ``near_tie`` logits of it, and the log-likelihood each gives
+the text's next token (for perplexity). Logits that are not finite are refused by the caller: a NaN
+would make every mean NaN, and NaN compares false with any bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Along the last axis, in float64 (a vocabulary of 262144 sums too loosely in float32)."""
+    logits = np.asarray(logits, np.float64)
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
+@dataclass
+class DistributionTotals:
+    """Sums over positions, so that several texts and generations add up."""
+
+    positions: int = 0
+    kl: float = 0.0
+    top1: int = 0
+    top1_near_tie: int = 0
+    # Over the positions whose next token is known (real text, not the package's own picks).
+    scored: int = 0
+    nll: float = 0.0
+    reference_nll: float = 0.0
+
+    def add(self, reference_logits: np.ndarray, package_logits: np.ndarray, targets: np.ndarray | None = None,
+            near_tie: float = 0.0) -> None:
+        """``*_logits`` [positions, vocab] (logits or log-probabilities); ``targets`` [positions]:
+        the token each position predicts, where known."""
+        want, got = log_softmax(reference_logits), log_softmax(package_logits)
+        self.positions += len(want)
+        self.kl += float((np.exp(want) * (want - got)).sum())
+        best, picked = want.argmax(-1), got.argmax(-1)
+        rows = np.arange(len(want))
+        self.top1 += int((best == picked).sum())
+        self.top1_near_tie += int((want[rows, best] - want[rows, picked] <= near_tie).sum())
+        if targets is not None:
+            targets = np.asarray(targets)
+            self.scored += len(targets)
+            self.nll -= float(got[rows, targets].sum())
+            self.reference_nll -= float(want[rows, targets].sum())
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl / self.positions
+
+    @property
+    def top1_share(self) -> float:
+        return self.top1 / self.positions
+
+    @property
+    def top1_near_tie_share(self) -> float:
+        return self.top1_near_tie / self.positions
+
+    @property
+    def perplexity(self) -> float:
+        return float(np.exp(self.nll / self.scored))
+
+    @property
+    def reference_perplexity(self) -> float:
+        return float(np.exp(self.reference_nll / self.scored))
+
+    @property
+    def perplexity_ratio(self) -> float:
+        return float(np.exp((self.nll - self.reference_nll) / self.scored))
+
+
+@dataclass(frozen=True)
+class DistributionBounds:
+    """What a quantized package must keep of transformers' distribution (``check --against``):
+    mean KL at most ``mean_kl``, top-1 agreement (near ties counted as agreeing) at least
+    ``top1``, perplexity at most ``perplexity_ratio`` times transformers'."""
+
+    mean_kl: float
+    top1: float
+    perplexity_ratio: float
+
+    def failures(self, totals: DistributionTotals) -> list[str]:
+        found = []
+        if not totals.mean_kl <= self.mean_kl:
+            found.append(f"mean KL {totals.mean_kl:.3g} > {self.mean_kl}")
+        if not totals.top1_near_tie_share >= self.top1:
+            found.append(f"top-1 agreement {totals.top1_near_tie_share:.1%} < {self.top1:.0%}")
+        if totals.scored and not totals.perplexity_ratio <= self.perplexity_ratio:
+            found.append(f"perplexity {totals.perplexity_ratio:.3g}x transformers' > {self.perplexity_ratio}x")
+        return found
