@@ -19,7 +19,7 @@ from exporter import replay
 from exporter.cache_folder import chosen_folder
 from exporter.int4_options import INT4_METHODS, Int4Options
 from exporter.package import REPORT_FILENAME
-from exporter.precisions import PRECISIONS, choose_precision, default_int4_options, int4_options
+from exporter.precisions import PRECISIONS, choose_precision, int4_options
 from exporter.preset_names import DEFAULT_PRESET, PRESET_NAMES
 from exporter.report import describe_graph_cache, package_summary
 
@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--int4-8bit", type=_roles, metavar="ROLE[,ROLE]",
                         help="int4: store these weights at 8 bits: lm_head, embeddings, sensitive_layers (the "
                              "value and down projections of the first and last eighth of the layers and every "
-                             "third between, as llama.cpp's Q4_K_M), or none (default: "
-                             f"{','.join(Int4Options.eight_bit) or 'none'})")
+                             "third between, as llama.cpp's Q4_K_M), or none (the default): more quality, "
+                             "slower decode")
     parser.add_argument("--max-length", type=int, metavar="N",
                         help="the context GenAI allocates and generates to (genai_config's context_length and "
                              "max_length; default: the model's own, capped by the EP's default, `list`); the "
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a multimodal checkpoint (Gemma 4) gives its language model only, as a text package; "
                              "by default it gives the multimodal package (decoder, embedding, vision, speech)")
     parser.add_argument("--int4-encoders", action="store_true",
-                        help="with --precision int4, quantize the vision and speech towers too (by default they "
+                        help="with --precision int4 or int8, quantize the vision and speech towers too (by default they "
                              "stay at the activation precision: int4 audio towers hurt speech quality)")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON summary on stdout (package, sessions, sizes, passes, timings, notes; "
@@ -218,7 +218,7 @@ def _int4_options(args, profile, precision: str) -> Int4Options | None:
             symmetric=Int4Options.symmetric if args.int4_symmetric is None else args.int4_symmetric,
             accuracy_level=args.int4_accuracy_level,
             method=args.int4_method or Int4Options.method,
-            eight_bit=default_int4_options(profile).eight_bit if args.int4_8bit is None else args.int4_8bit,
+            eight_bit=Int4Options.eight_bit if args.int4_8bit is None else args.int4_8bit,
         )
     except ValueError as error:
         raise ExporterError(str(error)) from error

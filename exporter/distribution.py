@@ -4,8 +4,9 @@ reports.
 
 Per position: KL(transformers || package) in nats, whether the package's best token is
 transformers' best (top-1), or within ``near_tie`` logits of it, and the log-likelihood each gives
-the text's next token (for perplexity). Logits that are not finite are refused by the caller: a NaN
-would make every mean NaN, and NaN compares false with any bound.
+the text's next token (for perplexity). Logits that are not finite are refused (``ValueError``;
+callers name the step first): a NaN would make every mean NaN, and an all-NaN row's argmax, 0,
+would count as agreeing. The bounds also fail a NaN (they are written as ``not value <= bound``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class DistributionTotals:
             near_tie: float = 0.0) -> None:
         """``*_logits`` [positions, vocab] (logits or log-probabilities); ``targets`` [positions]:
         the token each position predicts, where known."""
+        if not (np.isfinite(reference_logits).all() and np.isfinite(package_logits).all()):
+            raise ValueError("logits not finite: a NaN would make every mean NaN and agree as top-1")
         want, got = log_softmax(reference_logits), log_softmax(package_logits)
         self.positions += len(want)
         self.kl += float((np.exp(want) * (want - got)).sum())

@@ -131,11 +131,13 @@ def export(
     stage starts and with its timings when it ends. ``random_weights`` builds the source's
     architecture from its config with random weights (no weights downloaded or read). ``strict``
     makes a checkpoint tensor the export would not read an error (by default the report lists
-    them). ``int4`` sets block size, symmetry and accuracy level for ``precision="int4"``
-    (default: ``Int4Options`` with the profile's accuracy level). A Gemma 4 multimodal model gives a
+    them). ``int4`` sets block size, symmetry, accuracy level, method and 8-bit roles for
+    ``precision="int4"`` (default: ``Int4Options()``, the accuracy level the profile's);
+    ``precision="int8"`` stores every weight in symmetric 8-bit blocks. A Gemma 4 multimodal model gives a
     multimodal package (decoder, embedding, vision and speech sessions) unless ``text_only``; an
     in-memory one then needs its ``processor`` (or the processor's folder) for the image and audio
     settings. ``int4_encoders`` quantizes the vision and speech towers too at ``precision="int4"``
+    or ``"int8"``
     (by default they stay at the activation precision). ``max_length`` caps the context GenAI
     allocates and generates to (genai_config's context_length and search.max_length); by default
     the model's own, capped by the profile's default (webgpu: 4096, since under graph capture the

@@ -76,12 +76,13 @@ class Precision:
 # mantissa bits than fp16; int4's weights themselves differ (trained tiny Gemma 4: 0.54 at logit
 # std 1.5).
 # distribution (check --against of quantized packages, on Pride and Prejudice's opening and the
-# generations' steps; 2026-12-07): the real Gemma 3 270M's default int4 package: mean KL 0.183,
-# top-1 93.8% (near ties within 1.0 agreeing), perplexity 1.27x; its former default (symmetric, all
-# 4-bit) 0.417, 82.7%, 1.64x; broken the ways an exporter breaks (every MatMulNBits' scales one
-# block off; the embedding scale dropped) 10.9-11.1, 2-4%, >5e4x. Qwen2.5-Coder 0.5B: default
-# 0.051, 99.3%, 1.06x; former default 0.124, 95.3%, 1.10x; broken (scales; transposed attention
-# output projections) 7.8-12.5, 3-8%, >2e3x. The int4 bounds sit between a lossy-but-right package
+# generations' steps; 2026-12-07): the real Gemma 3 270M's default int4 package: mean KL 0.317,
+# top-1 89.2% (near ties within 1.0 agreeing), perplexity 1.48x; with the 8-bit head and sensitive
+# layers 0.183, 93.8%, 1.27x; its former default (symmetric) 0.417, 82.7%, 1.64x; broken the ways
+# an exporter breaks (every MatMulNBits' scales one block off; the embedding scale dropped)
+# 10.9-11.1, 2-4%, >5e4x. Qwen2.5-Coder 0.5B: default 0.083, 98.9%, 1.07x; 8-bit roles 0.051,
+# 99.3%, 1.06x; former default 0.124, 95.3%, 1.10x; broken (scales; transposed attention output
+# projections) 7.8-12.5, 3-8%, >2e3x. The int4 bounds sit between a lossy-but-right package
 # and a broken one, with a wide margin on each side; int8 (0.003 and 0.0008; 99.8% and 100%;
 # 1.005x and 1.004x) has its own.
 PRECISIONS: dict[str, Precision] = {
@@ -109,14 +110,6 @@ def choose_precision(profile: EpProfile, asked: str | None) -> str:
     return asked
 
 
-def default_int4_options(profile: EpProfile) -> Int4Options:
-    """``Int4Options()``, less its 8-bit roles on a profile whose EP was not measured running 8-bit
-    weights (those keep every weight at 4 bits, as before the roles existed)."""
-    if 8 in profile.weight_bit_widths:
-        return Int4Options()
-    return Int4Options(eight_bit=())
-
-
 def int4_options(profile: EpProfile, precision: str, given: Int4Options | None) -> Int4Options | None:
     """The block-quantization settings of an export: at int4 ``given``, or the defaults with the
     profile's accuracy level; at int8 the defaults (8 bits everywhere, symmetric round-to-nearest,
@@ -126,9 +119,10 @@ def int4_options(profile: EpProfile, precision: str, given: Int4Options | None) 
         raise ExporterError(f"int4 options apply to --precision int4, not {precision}")
     if PRECISIONS[precision].weight_bits is None:
         return None
-    options = given or default_int4_options(profile)
+    options = given or Int4Options()
     if options.accuracy_level is None:
         options = dataclasses.replace(options, accuracy_level=profile.int4_accuracy_level)
     if options.eight_bit and 8 not in profile.weight_bit_widths:
-        raise ExporterError(f"EP '{profile.name}' was not measured running 8-bit weights; drop --int4-8bit")
+        raise ExporterError(f"EP '{profile.name}' was not measured running 8-bit weights; store every weight in "
+                            f"4 bits (--int4-8bit none)")
     return options

@@ -117,8 +117,9 @@ def package_bytes(package: Path) -> int:
 
 def export_variant(source: str, spec: str, ep: str, folder: Path):
     """``fp32``, ``int8``, ``int4``, ``int4:method=k_quant,symmetric=false``,
-    ``int4:eight_bit=lm_head+sensitive_layers``: an export of ``source``."""
-    from exporter import export
+    ``int4:eight_bit=lm_head+sensitive_layers``, ``int4:eight_bit=none``: an export of ``source``;
+    bad settings exit with one line (status 2)."""
+    from exporter import ExporterError, export
     from exporter.int4_options import Int4Options
 
     precision, _, settings = spec.partition(":")
@@ -126,11 +127,15 @@ def export_variant(source: str, spec: str, ep: str, folder: Path):
     for pair in filter(None, settings.split(",")):
         key, _, value = pair.partition("=")
         if key == "eight_bit":
-            options[key] = tuple(value.split("+"))
+            options[key] = () if value in ("", "none") else tuple(value.split("+"))
             continue
         options[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
-    int4 = Int4Options(**options) if options else None
-    return export(source, ep=ep, precision=precision, int4=int4, output_dir=folder, cache=False).path
+    try:
+        int4 = Int4Options(**options) if options else None
+        return export(source, ep=ep, precision=precision, int4=int4, output_dir=folder, cache=False).path
+    except (TypeError, ValueError, ExporterError) as error:
+        print(f"error: --export {spec}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv=None) -> int:

@@ -185,10 +185,11 @@ class QuantizeWeights:
         if not facts.quantized(session):
             return None
         options, bits = facts.int4, facts.weight_bits
-        eight = f"; 8-bit {', '.join(options.eight_bit)}" if bits == 4 and options.eight_bit else ""
-        return (f"{bits}-bit weights ({options.method if bits == 4 else 'rtn'}): block size {options.block_size}, "
-                f"{'asymmetric' if options.zero_points and bits == 4 else 'symmetric'}, "
-                f"accuracy level {options.accuracy_level}{eight}")
+        if bits == 8:
+            return f"8-bit weights (rtn): block size {options.block_size}, symmetric, accuracy level {options.accuracy_level}"
+        eight = f"; 8-bit {', '.join(options.eight_bit)}" if options.eight_bit else ""
+        return (f"4-bit weights ({options.method}): block size {options.block_size}, "
+                f"{'asymmetric' if options.zero_points else 'symmetric'}, accuracy level {options.accuracy_level}{eight}")
 
     def __call__(self, model: ir.Model, facts) -> dict[str, int]:
         quantizer = _Quantizer(facts.int4, facts.weight_bits, facts.layout.num_layers, facts.profile.max_buffer_size)
@@ -320,9 +321,10 @@ class _Quantizer:
         if role and self.max_buffer_size is not None and n * blocks * options.block_size > self.max_buffer_size:
             self.over_buffer_limit += 1
             role = None
-        if self.bits == 8 or role:
-            if role:
-                self.eight_bit[role] += 1
+        if self.bits == 8:  # int8: symmetric (zero points buy little at 8 bits)
+            return BlockFormat(8, options.block_size, True)
+        if role:
+            self.eight_bit[role] += 1
             return BlockFormat(8, options.block_size, options.symmetric)
         if options.zero_points and id(source) in tables and -(-k // options.block_size) % 2:
             self.tables_without_zero_points += 1
@@ -336,12 +338,8 @@ class _Quantizer:
             return "lm_head"
         if "embeddings" in roles and id(source) in tables:
             return "embeddings"
-        if "sensitive_layers" in roles and source.const_value is not None:
-            from exporter.weights import made_from
-
-            chain = made_from(source.const_value)
-            reader = chain[0] if chain else None
-            match = _LAYER_TENSOR.search(reader.tensor_name) if reader is not None else None
+        if "sensitive_layers" in roles and (name := _checkpoint_name(source.const_value)):
+            match = _LAYER_TENSOR.search(name)
             if match and sensitive_layer(int(match.group(1)), self.layers):
                 return "sensitive_layers"
         return None
@@ -450,6 +448,19 @@ def _matmul_weight(node: ir.Node) -> tuple[ir.Value, bool] | None:
         and list(producer.attributes.get_ints("perm", [1, 0])) == [1, 0] and _is_weight(producer.inputs[0])
     ):
         return producer.inputs[0], True
+    return None
+
+
+def _checkpoint_name(tensor: ir.TensorProtocol | None) -> str | None:
+    """The checkpoint tensor a lazy initializer is made from, through the steps passes put on it
+    (transposes, reshapes, casts, the residual stream's power-of-two scale); None for another."""
+    from exporter.weights import WeightReader
+
+    while isinstance(tensor, ir.LazyTensor):
+        made = tensor.raw
+        if isinstance(made, WeightReader):
+            return made.tensor_name
+        tensor = getattr(made, "tensor", None)
     return None
 
 

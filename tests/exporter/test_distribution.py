@@ -60,8 +60,14 @@ def test_bounds_pass_a_close_package_and_name_each_failure():
     assert [f.split()[0] for f in failures] == ["mean", "top-1", "perplexity"]
 
 
-def test_non_finite_logits_fail_every_bound():
-    """A NaN compares false with any bound: the bounds are written so that it fails them."""
+def test_non_finite_logits_are_refused_and_fail_every_bound():
+    """A NaN compares false with any bound, and an all-NaN row's argmax (0) would agree as top-1:
+    ``add`` refuses non-finite logits, and totals that are NaN fail all three bounds."""
     totals = DistributionTotals()
-    totals.add(np.array([[1.0, 0.0]]), np.array([[np.nan, np.nan]]), np.array([0]))
-    assert len(BOUNDS.failures(totals)) >= 2
+    with pytest.raises(ValueError, match="not finite"):
+        totals.add(np.array([[1.0, 0.0]]), np.array([[np.nan, np.nan]]), np.array([0]))
+    with pytest.raises(ValueError, match="not finite"):
+        totals.add(np.array([[np.inf, 0.0]]), np.array([[1.0, 0.0]]))
+    poisoned = DistributionTotals(positions=1, kl=float("nan"), top1=0, top1_near_tie=0, scored=1,
+                                  nll=float("nan"), reference_nll=0.0)
+    assert len(BOUNDS.failures(poisoned)) == 3

@@ -192,3 +192,18 @@ def test_the_report_says_where_an_fp16_package_may_still_overflow():
     (note,) = risk_notes(ranges(138_000, 30_000), {**whole, "unscaled_half_reads": 2}, num_layers=4)
     assert "2 half-precision reads left unscaled" in note
     assert risk_notes(ranges(5_000, 30_000), {"exponent": 0}, num_layers=4) == []  # nothing to scale
+
+
+@pytest.mark.l1
+def test_sensitive_layers_are_found_through_the_residual_scale(past_fp16, tmp_path):
+    """The residual scale wraps Llama's down projections in a scaled lazy weight; the 8-bit roles
+    still find them by their checkpoint names (the first version lost them silently)."""
+    from exporter.int4_options import Int4Options
+
+    folder, _ = past_fp16("tiny-llama")
+    sensitive = Int4Options(eight_bit=("sensitive_layers",))
+    scaled = export(str(folder), ep="webgpu", precision="int4", int4=sensitive, output_dir=tmp_path / "webgpu")
+    assert scaled.report.onnx_pass_changes("scale_residual_stream")["exponent"] > 0
+    unscaled = export(str(folder), ep="cpu", precision="int4", int4=sensitive, output_dir=tmp_path / "cpu")
+    counts = [p.report.onnx_pass_changes("quantize_weights")["eight_bit_sensitive_layers"] for p in (scaled, unscaled)]
+    assert counts == [4, 4]  # layers 2 and 3 of 4: value and down projections
