@@ -24,12 +24,15 @@ from exporter.check_against import compare_with_source, greedy_with_logits, prom
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real_gemma3")]
 
-# int4's own loss on this model (round-to-nearest, block 32) moves logits by up to ~9 against
-# float32. Its webgpu package (fp16 activations) against its cpu package at the same accuracy level
-# (fp32 activations), first-step logits of the fixed prompts: 0.93-1.68 on the CPU EP, 1.00-1.72
-# on WebGPU (lavapipe), same tokens (2026-12-06; before the residual scale: all NaN). Part of it is
-# the blocks quantized from the fp16-rounded weights rather than the float32 ones.
-INT4_ACTIVATIONS_TOLERANCE = 2.5
+# int4's own loss on this model moves logits by up to ~9 against float32. Its webgpu package (fp16
+# activations) against its cpu package at the same accuracy level (fp32 activations), first-step
+# logits of the fixed prompts, same tokens: symmetric blocks (the former default) 0.93-1.68 on the
+# CPU EP and 1.00-1.72 on WebGPU (2026-12-06); asymmetric blocks (the default since 2026-12-07)
+# 1.00, 1.51, 2.87 and 3.71, the largest |logit| 24-38. Part of it is the blocks quantized from
+# the fp16-rounded weights rather than the float32 ones. What fp16 activations cost is nil by
+# distribution: check --against's mean KL 0.303 (webgpu package, run at fp16 on the CPU EP)
+# against 0.317 (cpu package); the symmetric webgpu package was 0.414.
+INT4_ACTIVATIONS_TOLERANCE = 4.5
 
 
 @pytest.fixture(scope="module")
