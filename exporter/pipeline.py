@@ -334,7 +334,7 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
     settings = _with_plain_attention_layers(settings, session, lowered.fx_passes)
     with stages.stage(_stage("onnx_passes", session, settings)):
         readers = weights.attach(onnx_model, prepared.weight_source, lowered.recipes)
-        _run_onnx_passes(onnx_model, session_plan, settings, session_report)
+        _run_onnx_passes(onnx_model, session, session_plan, settings, session_report)
         postconditions.require(onnx_model, settings, session)
         if note := postconditions.uncaptured_cpu_note(onnx_model, settings, session):
             report.notes.append(note)
@@ -492,9 +492,9 @@ def _fx_pass_notes(session_plan, records: list[dict]) -> list[str]:
             if (describe := getattr(p, "note", None)) and (note := describe(r["changes"]))]
 
 
-def _run_onnx_passes(onnx_model, session, settings: ExportSettings, report: SessionReport) -> None:
+def _run_onnx_passes(onnx_model, session, session_plan, settings: ExportSettings, report: SessionReport) -> None:
     try:
-        records = run_onnx_passes(onnx_model, [ONNX_PASSES[p.name] for p in session.onnx_passes], settings)
+        records = run_onnx_passes(onnx_model, [ONNX_PASSES[p.name] for p in session_plan.onnx_passes], settings, session)
     except FusionDidNotApply as error:
         raise ExporterError(f"ONNX fusion failed: {error}") from error
     report.onnx_passes = [dataclasses.asdict(r) for r in records]

@@ -1,8 +1,10 @@
 """The ONNX pass protocol, its record, and the loop that runs a planned list of passes.
 
 Every pass has one shape, like the FX passes: a ``name``, ``applies(facts, session)`` saying why it
-runs on that session of an export with these plan facts (or None), and ``__call__(model, facts)`` that rewrites the
-model in place and returns a small dict of counts for the report.
+runs on that session of an export with these plan facts (or None), and ``__call__(model, facts,
+session)`` that rewrites that session's model in place and returns a small dict of counts for the
+report. A pass asks the plan facts about its session (``facts.quantized(session)``), never about the
+export as a whole, because the sessions of one package differ (an int4 package's towers stay float).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ class OnnxPass(Protocol):
 
     def applies(self, facts: Any, session: Any) -> str | None: ...
 
-    def __call__(self, model: ir.Model, facts: Any) -> dict[str, int]: ...
+    def __call__(self, model: ir.Model, facts: Any, session: Any) -> dict[str, int]: ...
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,12 @@ class OnnxPassRecord:
     seconds: float
 
 
-def run_onnx_passes(model: ir.Model, passes: list[OnnxPass], facts: Any) -> list[OnnxPassRecord]:
+def run_onnx_passes(model: ir.Model, passes: list[OnnxPass], facts: Any, session: Any) -> list[OnnxPassRecord]:
     records = []
     for onnx_pass in passes:
         before = count_nodes(model)
         start = time.perf_counter()
-        changes = onnx_pass(model, facts)
+        changes = onnx_pass(model, facts, session)
         records.append(OnnxPassRecord(onnx_pass.name, dict(changes), before, count_nodes(model),
                                       time.perf_counter() - start))
     return records

@@ -59,7 +59,7 @@ class FoldConstants:
                "torch.onnx leaves constant subgraphs (shapes, casts of constants)")
         return f"{why}; nodes that read weights run once per input, at run time" if self.towers else why
 
-    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         weight_nodes = fold_weight_nodes(model.graph)  # lazily: the folder would read the weights now
         run_in_place(fold_constants_pass(keep_weight_nodes=self.towers), model)
         if self.after_fusions:

@@ -23,17 +23,19 @@ class FoldWeightTransposes:
     transposed copies: load 1.07 vs 1.11 s, TTFT 1423 vs 1437 ms, decode 14.2 vs 14.0 tokens/s;
     ``scripts/benchmark.py --transposed-matmul``).
     Elsewhere ``Transpose(weight)`` becomes one transposed initializer, lazy (computed when
-    written); a weight with other readers (a tied head) is then stored twice, except in an int4
-    (or int8) export, whose quantizer stores a tied table once and reads it through the Transpose (and
-    quantizes MatMuls only, so it keeps MatMul)."""
+    written); a weight with other readers (a tied head) is then stored twice, except in a session
+    whose weights are block-quantized (``facts.quantized(session)``), whose quantizer stores a tied
+    table once and reads it through the Transpose (and quantizes MatMuls only, so it keeps MatMul).
+    An int4 package's vision and speech towers stay float without ``--int4-encoders``: theirs are
+    read transposed as a float package's are."""
 
     name = "fold_weight_transposes"
 
     def applies(self, facts, session) -> str | None:
         return "MatMuls read their weights as stored instead of transposing them at every step"
 
-    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
-        quantizing = facts.weight_bits is not None
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+        quantizing = facts.quantized(session)
         graph, folded, read_transposed, tied = model.graph, 0, 0, 0
         reshaped = 0
         for node in list(graph):  # in topological order: a Reshape/Transpose chain folds link by link

@@ -14,7 +14,7 @@ class InlineFunctions:
     def applies(self, facts, session) -> str | None:
         return "later passes match nodes of one flat graph"
 
-    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         functions = len(model.functions)
         run_in_place(common.InlinePass(), model)
         return {"functions_inlined": functions - len(model.functions)}

@@ -138,7 +138,7 @@ class MatmulKvSharedAttention:
         return (f"{facts.profile.name}'s GroupQueryAttention reads a KV head once per query head; KV-shared layers "
                 "run on one query per row")
 
-    def __call__(self, model: ir.Model, facts=None) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         graph = model.graph
         make = _Builder(graph, self.name)
         spans: dict[tuple, _Span] = {}

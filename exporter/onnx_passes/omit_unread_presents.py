@@ -44,7 +44,7 @@ class OmitUnreadPresents:
         return (f"{facts.profile.name}'s GroupQueryAttention reads a KV-shared layer's past in place when asked for "
                 "no present")
 
-    def __call__(self, model: ir.Model, facts=None) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         omitted = 0
         for node in list(model.graph.all_nodes()):
             if not _is_attention(node) or len(node.outputs) != 3:

@@ -1,4 +1,5 @@
-"""Pad the speech session's frames to a multiple of 4, as masked frames, before anything reads them.
+"""Pad a session's frames to the multiple its trace took (the speech session's 4), as masked frames,
+before anything reads them.
 
 torch.export traces Gemma 4's audio tower only for frame counts divisible by 4
 (``exporter.sessions.speech``), and ONNX Runtime GenAI feeds whatever count the log-mel gives (199
@@ -13,8 +14,6 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from exporter.sessions.speech import FRAME_MULTIPLE
-
 FRAMES_DIM = "audio_frames"
 
 
@@ -22,18 +21,19 @@ class PadAudioFrames:
     name = "pad_audio_frames"
 
     def applies(self, facts, session) -> str | None:
-        if session.name != "speech":
+        if not session.traced_frame_multiple:
             return None
-        return f"the audio tower was traced for frame counts divisible by {FRAME_MULTIPLE}; GenAI feeds any count"
+        return (f"the {session.name} session was traced for frame counts divisible by "
+                f"{session.traced_frame_multiple}; GenAI feeds any count")
 
-    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         graph = model.graph
         features, mask = graph.inputs[0], graph.inputs[1]
         if (features.name, mask.name) != ("input_features", "input_features_mask"):
             raise RuntimeError(f"{self.name}: expected the speech inputs, found {features.name}, {mask.name}")
         tape = ir.tape.Tape(graph)
         frames = tape.op("Shape", [features], attributes={"start": 1, "end": 2})
-        multiple = tape.initializer(ir.tensor(np.array([FRAME_MULTIPLE], dtype=np.int64), name="pad_audio_frames.multiple"))
+        multiple = tape.initializer(ir.tensor(np.array([session.traced_frame_multiple], dtype=np.int64), name="pad_audio_frames.multiple"))
         zero = tape.initializer(ir.tensor(np.array([0], dtype=np.int64), name="pad_audio_frames.zero"))
         missing = tape.op("Mod", [tape.op("Sub", [multiple, tape.op("Mod", [frames, multiple])]), multiple])
         padded_features = tape.op("Pad", [features, tape.op("Concat", [zero, zero, zero, zero, missing, zero],

@@ -191,7 +191,7 @@ class QuantizeWeights:
         return (f"4-bit weights ({options.method}): block size {options.block_size}, "
                 f"{'asymmetric' if options.zero_points else 'symmetric'}, accuracy level {options.accuracy_level}{eight}")
 
-    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         quantizer = _Quantizer(facts.int4, facts.weight_bits, facts.layout.num_layers, facts.profile.max_buffer_size)
         quantizer.run(model)
         if not quantizer.matmuls and not quantizer.gathers:

@@ -161,7 +161,7 @@ class ScaleResidualStream:
         return ("fp16 activations: the residual stream scaled by the power of two that keeps its float32 peak, "
                 "measured at export, inside fp16's range (none where it fits)")
 
-    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         exponent = facts.residual_exponent
         if exponent == 0:
             return {"exponent": 0}

@@ -54,7 +54,7 @@ class StaticReshapeTargets:
             return None
         return "a captured graph runs no shape arithmetic on the CPU"
 
-    def __call__(self, model: ir.Model, facts=None) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         rewritten = 0
         for node in model.graph.all_nodes():
             if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or _constant(node.inputs[1]) is not None:

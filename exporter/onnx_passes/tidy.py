@@ -65,7 +65,7 @@ class Tidy:
     def applies(self, facts, session) -> str | None:
         return "lowering and folding leave dead nodes, duplicates and provenance metadata"
 
-    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         for ir_pass in _before_slices():
             run_in_place(ir_pass, model)
         # Counted by the rule itself, so the count is the Slices it matched, not others CSE merges.

@@ -33,7 +33,7 @@ class WidenUnsupportedDtypes:
                     "those compute in float32")
         return None
 
-    def __call__(self, model: ir.Model, facts) -> dict[str, int]:
+    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         widened = [r for r in dtype_refusals(model) if _widens(r)]
         casts: dict[tuple[int, ir.Value], ir.Value] = {}  # (graph, value): cast once per graph that reads it
         names = {v.name for g in model.graphs() for v in (*g.inputs, *g.initializers.values())}

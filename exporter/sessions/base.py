@@ -4,7 +4,7 @@ A session says whether it applies to an export, what to trace (a wrapper module,
 dynamic shapes), its graph's I/O names, its genai_config section and any files it needs beside it.
 The pipeline runs the same steps for each: trace -> FX passes -> lower -> ONNX passes ->
 post-conditions. Passes see the session in their ``applies`` (``is_decoder``, ``is_encoder``,
-``captured``).
+``captured``, ``traced_frame_multiple``) and in their ``__call__``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ class Session(Protocol):
     name: str
     is_decoder: bool  # the text decoder: KV cache, logits
     is_encoder: bool  # an image or audio tower
+    # The trace takes only frame counts (``input_features``' dim 1) divisible by this; None: any.
+    traced_frame_multiple: int | None
 
     def applies(self, settings) -> str | None: ...
 

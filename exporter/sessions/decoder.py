@@ -15,6 +15,7 @@ class DecoderSession:
     name = "decoder"
     is_decoder = True
     is_encoder = False
+    traced_frame_multiple = None
 
     def applies(self, settings) -> str | None:
         return "every package has a text decoder"

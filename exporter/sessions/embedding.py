@@ -46,6 +46,7 @@ class EmbeddingSession:
     name = "embedding"
     is_decoder = False
     is_encoder = False
+    traced_frame_multiple = None
 
     def applies(self, settings) -> str | None:
         return "a multimodal package embeds tokens and image and audio features apart from the decoder" \

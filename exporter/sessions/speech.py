@@ -39,6 +39,7 @@ class SpeechSession:
     name = "speech"
     is_decoder = False
     is_encoder = True
+    traced_frame_multiple = FRAME_MULTIPLE
 
     def applies(self, settings) -> str | None:
         if not settings.multimodal or not settings.multimodal.has_audio:

@@ -44,6 +44,7 @@ class VisionSession:
     name = "vision"
     is_decoder = False
     is_encoder = True
+    traced_frame_multiple = None
 
     def applies(self, settings) -> str | None:
         return "ONNX Runtime GenAI's Gemma 4 package always has a vision encoder" if settings.multimodal else None

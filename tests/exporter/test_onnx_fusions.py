@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ep_profiles import get_profile
 from exporter.onnx_passes import ONNX_PASSES, run_onnx_passes
 from exporter.onnx_passes.norm_fusions import FusionDidNotApply
+from exporter.sessions import SESSIONS
 
 pytestmark = pytest.mark.l3
 
@@ -24,7 +25,7 @@ FUSION_PASSES = ("fuse_rms_norms", "fuse_skip_rms_norms", "fold_fusion_constants
 
 def run_fusions(model: ir.Model) -> dict[str, int]:
     """The CPU profile's norm-fusion passes; op type -> nodes made."""
-    records = run_onnx_passes(model, [ONNX_PASSES[name] for name in FUSION_PASSES], FACTS)
+    records = run_onnx_passes(model, [ONNX_PASSES[name] for name in FUSION_PASSES], FACTS, SESSIONS["decoder"])
     made = {r.name: r.changes.get("fused") for r in records}
     return {"SimplifiedLayerNormalization": made["fuse_rms_norms"],
             "SkipSimplifiedLayerNormalization": made["fuse_skip_rms_norms"]}

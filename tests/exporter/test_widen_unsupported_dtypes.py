@@ -69,7 +69,7 @@ def test_bf16_conv_and_softplus_compute_in_float32_as_torch_does():
     with pytest.raises(Exception, match="INVALID_GRAPH|invalid"):  # what ONNX Runtime said before
         _session(model)
 
-    assert WidenUnsupportedDtypes()(model, _Facts()) == {"nodes_widened": 2}
+    assert WidenUnsupportedDtypes()(model, _Facts(), session=None) == {"nodes_widened": 2}
 
     assert dtype_refusals(model) == []
     for name in ("conv", "softplus"):
@@ -105,7 +105,7 @@ def test_an_fp32_graph_is_left_as_it_was():
         initializer.dtype = ir.DataType.FLOAT
     model.graph.node(0).outputs[0].dtype = ir.DataType.FLOAT
     assert dtype_refusals(model) == []
-    assert WidenUnsupportedDtypes()(model, _Facts()) == {}
+    assert WidenUnsupportedDtypes()(model, _Facts(), session=None) == {}
 
 
 def _model(nodes, inputs, outputs, initializers=(), value_info=()) -> ir.Model:
@@ -127,7 +127,7 @@ def test_nodes_whose_other_outputs_follow_the_input_stay_for_the_postconditions(
                    [_bf16("x", [2])], [_bf16("y", [2])])
     refused = dtype_refusals(model)
     assert [str(r) for r in refused] == ["RandomNormalLike noise on tensor(bfloat16)"]
-    assert WidenUnsupportedDtypes()(model, _Facts()) == {}
+    assert WidenUnsupportedDtypes()(model, _Facts(), session=None) == {}
     assert dtype_refusals(model) == refused
 
 
@@ -138,7 +138,7 @@ def test_one_type_parameter_bound_to_two_dtypes_is_refused():
                    [h.make_tensor_value_info("x", TensorProto.FLOAT, [4])], [_bf16("a", [2]), _bf16("b", [2])])
     (refused,) = dtype_refusals(model)
     assert str(refused) == "Split split with T bound to tensor(float) and tensor(bfloat16)"
-    assert WidenUnsupportedDtypes()(model, _Facts()) == {}
+    assert WidenUnsupportedDtypes()(model, _Facts(), session=None) == {}
 
 
 @pytest.mark.l1
@@ -169,7 +169,7 @@ def test_subgraph_nodes_are_checked_and_widened_with_names_of_their_own():
                    [h.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     assert sorted(str(r) for r in dtype_refusals(model)) == ["Softplus else_softplus on tensor(bfloat16)",
                                                              "Softplus then_softplus on tensor(bfloat16)"]
-    assert WidenUnsupportedDtypes()(model, _Facts()) == {"nodes_widened": 2}
+    assert WidenUnsupportedDtypes()(model, _Facts(), session=None) == {"nodes_widened": 2}
     assert dtype_refusals(model) == []
     casts = [n.outputs[0].name for n in model.graph.all_nodes() if n.op_type == "Cast" and n.name.endswith("to_float32")]
     assert sorted(casts) == ["x.as_float32", "x.as_float32.2"]
@@ -183,7 +183,7 @@ def test_outputs_typed_by_an_attribute_are_left_for_the_postconditions():
     model = _model([h.make_node("RandomNormal", [], ["noise"], dtype=TensorProto.BFLOAT16, shape=[2], name="noise")],
                    [], [_bf16("noise", [2])])
     assert [str(r) for r in dtype_refusals(model)] == ["RandomNormal noise on tensor(bfloat16)"]
-    assert WidenUnsupportedDtypes()(model, _Facts()) == {}
+    assert WidenUnsupportedDtypes()(model, _Facts(), session=None) == {}
 
 
 @pytest.mark.l1
