@@ -6,7 +6,7 @@ from exporter.int4_options import Int4Options
 __all__ = ["ExportOnSave", "ExportedPackage", "ExporterError", "Int4Options", "export"]
 
 # Imported at first use: the pipeline imports torch and transformers (seconds), which a replayed
-# command-line export (``exporter.replay``) never needs; ExportOnSave also the Trainer's utilities
+# command-line export (``exporter.cache.replay``) never needs; ExportOnSave also the Trainer's utilities
 # (and peft where installed).
 _LAZY = {"export": "exporter.pipeline", "ExportedPackage": "exporter.pipeline", "ExportOnSave": "exporter.training"}
 

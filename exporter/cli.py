@@ -15,16 +15,16 @@ from pathlib import Path
 from ep_profiles import PROFILES, get_profile
 from ep_profiles.registry import UnknownProfileError
 from exporter.errors import ExporterError, environment_error
-from exporter import replay
-from exporter.cache_folder import chosen_folder
+from exporter.cache import replay
+from exporter.cache.cache_folder import chosen_folder
 from exporter.int4_options import INT4_METHODS, Int4Options
-from exporter.package import REPORT_FILENAME
+from exporter.package.files import REPORT_FILENAME
 from exporter.precisions import PRECISIONS, choose_precision, int4_options
-from exporter.preset_names import DEFAULT_PRESET, PRESET_NAMES
-from exporter.report import describe_graph_cache, package_summary
+from exporter.load.preset_names import DEFAULT_PRESET, PRESET_NAMES
+from exporter.package.report import describe_graph_cache, package_summary
 
 # The command line imports torch and transformers only once it exports something, so that a
-# replayed export (``exporter.replay``) never does.
+# replayed export (``exporter.cache.replay``) never does.
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -114,7 +114,7 @@ def program() -> str:
 
 
 def _list(argv: list[str]) -> int:
-    from exporter.sources import describe_sources
+    from exporter.load.sources import describe_sources
 
     argparse.ArgumentParser(prog=f"{program()} list", description="List presets, aliases and EP profiles.").parse_args(argv)
     print("Models (presets work offline):")
@@ -131,7 +131,7 @@ def _list(argv: list[str]) -> int:
 
 
 def _check(argv: list[str]) -> int:
-    from exporter.check import check_package, findings_to_json, format_findings
+    from exporter.verify.check import check_package, findings_to_json, format_findings
 
     parser = argparse.ArgumentParser(
         prog=f"{program()} check",
@@ -160,8 +160,8 @@ def _plan(argv: list[str]) -> int:
 
     from exporter.plan import export_settings, make_plan
     from exporter.precisions import PRECISIONS as POLICIES
-    from exporter.prepare import prepare
-    from exporter.sources import LoadOptions, load
+    from exporter.load.prepare import prepare
+    from exporter.load.sources import LoadOptions, load
 
     parser = argparse.ArgumentParser(prog=f"{program()} plan",
                                      description="Print the passes an export would run, without exporting.")
@@ -240,7 +240,7 @@ def run() -> None:
 
 def main(argv: list[str] | None = None, *, replays: bool = False) -> int:
     """The command line's exit code. ``replays``: record exports of folders as replays and replay
-    them (``exporter.replay``), which only a fresh process may do, where nothing can have patched
+    them (``exporter.cache.replay``), which only a fresh process may do, where nothing can have patched
     the model's classes (``run``, the console command); a caller's process may have."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["list"]:
@@ -295,7 +295,7 @@ def _sigterm_as_interrupt():
 
 @dataclasses.dataclass(frozen=True)
 class ReplayInputs:
-    """What a replay of this command's export is keyed on (``exporter.replay``)."""
+    """What a replay of this command's export is keyed on (``exporter.cache.replay``)."""
 
     root: Path
     folder: Path
@@ -386,7 +386,7 @@ def _full_export(args, output: Path, int4):
 def _record_replay(inputs: ReplayInputs, result) -> str:
     """Records the package as a replay for later exports of this folder's architecture; says
     whether it did, and why not."""
-    from exporter import graph_cache
+    from exporter.cache import graph_cache
 
     if result.weight_origins is None:
         return (f"not recorded: {result.weight_origins_why_not} (only packages whose every weight is a checkpoint "

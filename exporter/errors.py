@@ -9,6 +9,8 @@ import re
 import shutil
 from pathlib import Path
 
+from exporter.units import size_text
+
 
 class ExporterError(Exception):
     """A problem the user can fix; the message is one line that says what to do."""
@@ -45,8 +47,6 @@ def environment_error(error: OSError, needed_bytes: int | None = None,
                       where: Path | None = None) -> ExporterError | None:
     """The one-line error for an OSError the machine causes (not a bug), or None for others;
     ``where``: the path to name when the error names none (a write into the package)."""
-    from exporter.units import size_text
-
     number = error.errno
     if number is None and _SHORT_WRITE.search(str(error)):
         number = errno.ENOSPC  # numpy's tofile on a full disk: no errno, only the short count
@@ -56,8 +56,6 @@ def environment_error(error: OSError, needed_bytes: int | None = None,
     path = error.filename or where or "?"
     text = f"cannot write or read '{path}': {reason}"
     if number in (errno.ENOSPC, errno.EDQUOT):
-        from exporter.destination import nearest_existing
-
         existing = nearest_existing(Path(path))
         facts = [f"the package needs about {size_text(needed_bytes)}"] if needed_bytes else []
         if existing.exists():
@@ -73,6 +71,13 @@ def environment_error(error: OSError, needed_bytes: int | None = None,
                  errno.ELOOP: f"; fix the links{elsewhere}",
                  errno.EIO: f"; check the disk{elsewhere}"}.get(number, f"; fix its permissions{elsewhere}")
     return ExporterError(text)
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (where free space and permissions are asked)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def os_error_in(error: Exception, path: Path) -> OSError | None:

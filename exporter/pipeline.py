@@ -19,29 +19,34 @@ import torch
 
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
-from exporter import activation_ranges, destination, graph_cache, package, postconditions, translation_ready, weights
+from exporter.load import activation_ranges
+from exporter.package import destination, files as package
+from exporter.cache import graph_cache
+from exporter.verify import postconditions
+from exporter.trace import translation_ready
+from exporter.weights import streamed as weights
 from exporter.errors import ExporterBug, ExporterError, environment_error
-from exporter.genai_config import (
+from exporter.package.genai_config import (
     FALLBACK_DECODER_TYPE,
     build_genai_config,
     chosen_context_length,
     genai_model_type,
 )
-from exporter.layout import DecoderLayout
-from exporter.lower import lower
+from exporter.load.layout import DecoderLayout
+from exporter.lower.torch_onnx import lower
 from exporter.onnx_passes import ONNX_PASSES, run_onnx_passes
 from exporter.onnx_passes.norm_fusions import FusionDidNotApply
 from exporter.int4_options import Int4Options
 from exporter.plan import ExportPlan, ExportSettings, export_settings, make_plan
 from exporter.precisions import PRECISIONS, choose_precision, int4_options
-from exporter.prepare import prepare
-from exporter.sample_prefill import run_sample_prefill
+from exporter.load.prepare import prepare
+from exporter.verify.sample_prefill import run_sample_prefill
 from exporter.progress import ProgressDisplay
-from exporter.report import ExportReport, SessionReport, package_summary
+from exporter.package.report import ExportReport, SessionReport, package_summary
 from exporter.sessions import SESSIONS
-from exporter.sources import LoadOptions, load
+from exporter.load.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
-from exporter.trace import REPLICATED_LAYERS
+from exporter.trace.decoder import REPLICATED_LAYERS
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.markers import FLOAT32_COUNT_LIMIT
@@ -57,7 +62,7 @@ class ExportedPackage:
     # Each session file -> its weight initializers -> where their bytes come from (a checkpoint
     # range copied, or one stored tensor converted and laid out: ``weights.WeightOrigin``), where
     # every weight is that and was read by nothing but the writer (what a command-line replay
-    # records: ``exporter.replay``); else None, and ``weight_origins_why_not``.
+    # records: ``exporter.cache.replay``); else None, and ``weight_origins_why_not``.
     weight_origins: dict[str, dict[str, weights.WeightOrigin]] | None = None
     weight_origins_why_not: str | None = None
 
@@ -143,7 +148,7 @@ def export(
     the model's own, capped by the profile's default (webgpu: 4096, since under graph capture the
     whole KV buffer is allocated up front). The report gives the KV cache's bytes at that length.
     ``cache``: where lowered graphs are kept for re-exports of the same architecture with other
-    weights (``exporter.graph_cache``): True for ``$XDG_CACHE_HOME/genai-exporter/graphs`` (off where
+    weights (``exporter.cache.graph_cache``): True for ``$XDG_CACHE_HOME/genai-exporter/graphs`` (off where
     ``GENAI_EXPORTER_NO_CACHE=1``), a folder, or False for none. Every file of a package but its
     report is byte-identical whether or not its graphs came from the cache.
     """
@@ -222,7 +227,7 @@ def _weight_origins(loaded, models, readers, settings: ExportSettings) -> tuple[
     if settings.compute_dtype == torch.float16:
         # Another checkpoint may need another residual scale (or none): only an export measures it.
         return None, ("its activations are fp16, whose residual scale the export measures from the weights "
-                      "(exporter.activation_ranges) and a replay would not")
+                      "(exporter.load.activation_ranges) and a replay would not")
     if loaded.weights.compared_values:
         return None, "the checkpoint saves a tied tensor under two keys, whose values the export compared"
     origins = {}
@@ -346,7 +351,7 @@ def _lower_session(session, session_plan, prepared, settings: ExportSettings, st
     """Trace -> FX passes -> lower; the graph is serialized with its weights as placeholders and
     read back, so that the steps after it see the graph a cache would give. Also returns why
     lowering had to re-trace, if it did, and how many decoder layers were copied rather than traced
-    (``exporter.layer_replicas``; None for a session without decoder layers), or why none were."""
+    (``exporter.trace.layer_replicas``; None for a session without decoder layers), or why none were."""
     with stages.stage(_stage("trace", session, settings)):
         traced = _run_step("tracing with torch.export", session.trace, prepared, settings)
         copied_layers = traced.program.graph_module.meta.get(REPLICATED_LAYERS)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ep_profiles import EpProfile
-from exporter.layout import DecoderLayout
-from exporter.multimodal import MultimodalFacts
+from exporter.load.layout import DecoderLayout
+from exporter.load.multimodal import MultimodalFacts
 from exporter.onnx_passes import ONNX_PASSES
 from exporter.int4_options import Int4Options
 from exporter.precisions import PRECISIONS
@@ -42,7 +42,7 @@ class ExportSettings:
     # their attention stays transformers', and past and present KV are then separate buffers.
     plain_attention_layers: tuple[int, ...] = ()
     # k in the decoder's residual-stream scale 2**-k at fp16 activations, from the float32 peaks
-    # measured at export time (``exporter.activation_ranges``); 0: no scaling. Depends on the
+    # measured at export time (``exporter.load.activation_ranges``); 0: no scaling. Depends on the
     # weights, so the graph cache's key leaves it out (it acts after the cached graphs).
     residual_exponent: int = 0
 

@@ -16,12 +16,34 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ep_profiles import EpProfile
-from exporter.distribution import DistributionBounds
 from exporter.errors import ExporterError
 from exporter.int4_options import Int4Options
 
 if TYPE_CHECKING:
     import torch
+
+    from exporter.verify.distribution import DistributionTotals
+
+
+@dataclass(frozen=True)
+class DistributionBounds:
+    """What a quantized package must keep of transformers' distribution (``check --against``):
+    mean KL at most ``mean_kl``, top-1 agreement (near ties counted as agreeing) at least
+    ``top1``, perplexity at most ``perplexity_ratio`` times transformers'."""
+
+    mean_kl: float
+    top1: float
+    perplexity_ratio: float
+
+    def failures(self, totals: DistributionTotals) -> list[str]:
+        found = []
+        if not totals.mean_kl <= self.mean_kl:
+            found.append(f"mean KL {totals.mean_kl:.3g} > {self.mean_kl}")
+        if not totals.top1_near_tie_share >= self.top1:
+            found.append(f"top-1 agreement {totals.top1_near_tie_share:.1%} < {self.top1:.0%}")
+        if totals.scored and not totals.perplexity_ratio <= self.perplexity_ratio:
+            found.append(f"perplexity {totals.perplexity_ratio:.3g}x transformers' > {self.perplexity_ratio}x")
+        return found
 
 
 @dataclass(frozen=True)
@@ -47,7 +69,7 @@ class Precision:
     # Bits of a block-quantized weight (MatMulNBits, GatherBlockQuantized); None: float weights.
     weight_bits: int | None = None
     # ``check --against`` of a quantized package: bounds on its distribution against transformers
-    # (``exporter.distribution``) in place of the per-step logit and token rules.
+    # (``exporter.verify.distribution``) in place of the per-step logit and token rules.
     distribution: DistributionBounds | None = None
 
     def logit_bound(self, absolute: float, reference: np.ndarray) -> float:

@@ -19,7 +19,7 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from exporter.errors import ExporterError
-from exporter.peft_models import is_peft_model
+from exporter.load.peft_models import is_peft_model
 from exporter.pipeline import ExportedPackage, export
 from exporter.precisions import choose_precision
 

@@ -1,6 +1,6 @@
 """Replace routed-experts blocks with ONNX Runtime's MoE op where the EP runs it.
 
-transformers traces a mixture-of-experts block (its ``batched_mm`` experts, ``exporter.experts``)
+transformers traces a mixture-of-experts block (its ``batched_mm`` experts, ``exporter.load.experts``)
 as: the router's logits, a softmax, the top k, maybe renormalised; then each (token, expert) pair
 gathers its expert's whole weight matrices and multiplies them, and the outputs are summed with
 their routing weights. Per token that streams k experts' weights through a gather, and prefill

@@ -204,9 +204,9 @@ def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
     )
 
     from ep_profiles import get_profile
-    from exporter.layout import derive_layout
+    from exporter.load.layout import derive_layout
     from exporter.plan import export_settings, make_plan
-    from exporter.trace import make_inputs, trace
+    from exporter.trace.decoder import make_inputs, trace
     from fx_passes import FX_PASSES, PassContext, run_fx_passes
 
     # CPU attention with a mask runs this kernel, which FlopCounterMode does not count by itself.
@@ -332,7 +332,7 @@ def benchmark_attention(args) -> None:
     import dataclasses
 
     from ep_profiles import get_profile
-    from exporter.sources import load
+    from exporter.load.sources import load
 
     loaded = load(args.model)
     cpu = get_profile("cpu")
@@ -362,8 +362,8 @@ def benchmark_graph_capture(args) -> None:
     --no-graph-capture (the EP's default validation), both on the WebGPU EP, alternating in one run. On a software adapter (lavapipe) the GPU work is CPU work
     too, so this measures what capture saves on dispatch, not a real GPU's speed."""
     from ep_profiles import get_profile
-    from exporter.ep_runtime import register
-    from exporter.sources import load
+    from exporter.verify.ep_runtime import register
+    from exporter.load.sources import load
 
     webgpu = get_profile("webgpu")
     register(webgpu, genai=True)
@@ -392,8 +392,8 @@ def benchmark_attention_routing(args) -> None:
     import dataclasses
 
     from ep_profiles import get_profile
-    from exporter.ep_runtime import register
-    from exporter.sources import load
+    from exporter.verify.ep_runtime import register
+    from exporter.load.sources import load
 
     webgpu = get_profile("webgpu")
     register(webgpu, genai=True)
@@ -425,8 +425,8 @@ def benchmark_max_length(args) -> None:
     KV buffer GenAI allocates. On lavapipe GPU work is CPU work, so the ratio, not the speed, is
     what carries to a real GPU."""
     from ep_profiles import get_profile
-    from exporter.ep_runtime import register
-    from exporter.sources import load
+    from exporter.verify.ep_runtime import register
+    from exporter.load.sources import load
 
     register(get_profile("webgpu"), genai=True)
     loaded = load(args.model)
@@ -459,7 +459,7 @@ def benchmark_fusions(args) -> None:
     import dataclasses
 
     from ep_profiles import get_profile
-    from exporter.sources import load
+    from exporter.load.sources import load
 
     loaded = load(args.model)
     cpu = get_profile("cpu")
@@ -483,7 +483,7 @@ def benchmark_transposed_matmul(args) -> None:
     import dataclasses
 
     from ep_profiles import get_profile
-    from exporter.sources import load
+    from exporter.load.sources import load
 
     loaded = load(args.model)
     cpu = get_profile("cpu")
@@ -511,7 +511,7 @@ def benchmark_kv_shared_attention(args) -> None:
     import dataclasses
 
     from ep_profiles import get_profile
-    from exporter.sources import load
+    from exporter.load.sources import load
 
     loaded = load(args.model)
     cpu = get_profile("cpu")
@@ -562,7 +562,7 @@ def benchmark_mixture_of_experts(args) -> None:
     import dataclasses
 
     from ep_profiles import get_profile
-    from exporter.sources import load
+    from exporter.load.sources import load
 
     model = "qwen3-moe-shape" if args.model == "gemma-4-e2b-shape" else args.model
     loaded = load(model)
@@ -583,7 +583,7 @@ def benchmark_mixture_of_experts(args) -> None:
 
 
 def benchmark_truncation(args) -> None:
-    from exporter.sources import load
+    from exporter.load.sources import load
 
     lengths = args.prompt_lengths if args.prompt_lengths != [128, 512] else [128, 512, 1024]
     loaded = load(args.model)
@@ -611,7 +611,7 @@ def benchmark_truncation(args) -> None:
 
 
 def command_line_reexport(root: Path, cache: Path, repeats: int) -> tuple[float, float, float, bool]:
-    """``python -m exporter`` on the second checkpoint's folder, replayed (``exporter.replay``) from
+    """``python -m exporter`` on the second checkpoint's folder, replayed (``exporter.cache.replay``) from
     the first's command-line export and without any cache, taking turns, each a fresh process:
     the first export's seconds, the medians, and whether the packages are byte-identical."""
     import hashlib
@@ -655,7 +655,7 @@ def benchmark_reexport(args) -> None:
 
     import torch
 
-    from exporter.sources import load
+    from exporter.load.sources import load
 
     def nudge(model, seed: int) -> None:  # a training step: every parameter moves (buffers are not trained)
         generator = torch.Generator().manual_seed(seed)

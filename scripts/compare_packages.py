@@ -112,7 +112,7 @@ def main() -> None:
     packages = read_packages(args.packages)
     if args.ep == "webgpu" and not args.processes:
         from ep_profiles import get_profile
-        from exporter.ep_runtime import register
+        from exporter.verify.ep_runtime import register
 
         register(get_profile("webgpu"), genai=True)
     if args.worker:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_profiles import PROFILES
 from exporter import export
-from exporter.presets import build_preset
+from exporter.load.presets import build_preset
 
 MODELS = ("tiny-gemma-4", "tiny-llama")
 FILES = ("model.onnx", "model.onnx.data", "genai_config.json")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_profiles import get_profile  # noqa: E402
 from ep_profiles.registry import UnknownProfileError  # noqa: E402
-from exporter.ep_runtime import EpUnavailable, inference_session  # noqa: E402
+from exporter.verify.ep_runtime import EpUnavailable, inference_session  # noqa: E402
 
 # An exact kernel agrees with the reference to float32 rounding (~1e-6 at these sizes); a dropped
 # feature differs by O(1).

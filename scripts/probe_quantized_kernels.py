@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_profiles import get_profile  # noqa: E402
 from ep_profiles.registry import UnknownProfileError  # noqa: E402
-from exporter.ep_runtime import EpUnavailable, inference_session, placement  # noqa: E402
+from exporter.verify.ep_runtime import EpUnavailable, inference_session, placement  # noqa: E402
 
 # Relative to the output's largest |value|: fp32 kernels agree to ~1e-6; fp16 rounds at ~1e-3 and
 # sums of K=256 products add a little. A misread blob or zero point is off by O(1).

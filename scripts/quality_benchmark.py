@@ -57,7 +57,7 @@ def reference_log_probs(source: str, windows: list[list[int]]) -> list[np.ndarra
     """transformers fp32 log-softmax [len(window), vocab] of each window (position i predicts i + 1)."""
     import torch
 
-    from exporter.check_against import reference_model
+    from exporter.verify.check_against import reference_model
 
     model = reference_model(source)
     out = []
@@ -75,7 +75,7 @@ def package_log_probs(package: Path, windows: list[list[int]], vocab: int) -> li
     through GenAI's decode path."""
     import onnxruntime_genai as og
 
-    from exporter.ep_runtime import genai_config
+    from exporter.verify.ep_runtime import genai_config
 
     model = og.Model(genai_config(package, on_cpu=True))
     out = []
@@ -100,8 +100,8 @@ def package_log_probs(package: Path, windows: list[list[int]], vocab: int) -> li
 
 def quality(reference: list[np.ndarray], package: list[np.ndarray], windows: list[list[int]]) -> dict[str, float]:
     """Perplexity of the package (and of the reference), top-1 agreement and mean KL(ref || package)
-    (``exporter.distribution``, the measure ``check --against`` bounds quantized packages by)."""
-    from exporter.distribution import DistributionTotals
+    (``exporter.verify.distribution``, the measure ``check --against`` bounds quantized packages by)."""
+    from exporter.verify.distribution import DistributionTotals
 
     totals = DistributionTotals()
     for want, got, ids in zip(reference, package, windows, strict=True):

@@ -8,7 +8,7 @@ and speech sessions, which run once per image or clip) any other node that would
 values stays for run time: a few small nodes per audio layer (``per_dim_scale``'s softplus; in the
 tiny preset also the position table's Gathers, which at full size are too large to fold), and the
 package's weights stay functions of the checkpoint's tensors that a replay repeats
-(``exporter.replay``). The decoder and the embedding session fold them, since they run at every
+(``exporter.cache.replay``). The decoder and the embedding session fold them, since they run at every
 token (Gemma 2's ``1 + weight`` norm scales)."""
 
 from __future__ import annotations

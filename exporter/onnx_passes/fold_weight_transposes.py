@@ -5,12 +5,10 @@ is written (a streamed weight is read once)."""
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-
 import numpy as np
 import onnx_ir as ir
-import torch
+
+from exporter.weights.lazy_steps import ReshapedWeight, TransposedWeight
 
 
 class FoldWeightTransposes:
@@ -71,46 +69,6 @@ class FoldWeightTransposes:
             folded += 1
         return {"weights_transposed": folded, "weights_read_transposed": read_transposed,
                 "tied_weights_read_transposed": tied, "weights_reshaped": reshaped}
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # equal only to itself: never compares tensors
-class TransposedWeight:
-    """What a folded ``Transpose(weight)``'s lazy initializer calls when written: ``tensor`` (the
-    weight's own lazy tensor, or a constant) in the ``perm`` layout. A replay repeats it
-    (``exporter.replay``), so it says what it does."""
-
-    tensor: ir.TensorProtocol
-    perm: tuple[int, ...]
-    name: str
-
-    def __call__(self) -> ir.TensorProtocol:
-        return ir.Tensor(_transposed(self.tensor.numpy(), list(self.perm)), name=self.name)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # equal only to itself: never compares tensors
-class ReshapedWeight:
-    """What a folded ``Reshape(weight)``'s lazy initializer calls when written: ``tensor`` in
-    ``dims``."""
-
-    tensor: ir.TensorProtocol
-    dims: tuple[int, ...]
-    name: str
-
-    def __call__(self) -> ir.TensorProtocol:
-        return ir.Tensor(np.ascontiguousarray(self.tensor.numpy().reshape(self.dims)), name=self.name)
-
-
-def _transposed(array: np.ndarray, perm: list[int]) -> np.ndarray:
-    """A contiguous copy in the ``perm`` layout. torch copies it blocked and on every intra-op
-    thread, about 3x numpy's single-threaded strided copy (42 vs 127 ms per 64 MiB on 2 cores). It
-    moves the elements as unsigned integers of their size, so every dtype (ml_dtypes' bfloat16,
-    float8) takes that path and its bits stay exact."""
-    if array.dtype.itemsize in (1, 2, 4, 8) and array.dtype.isnative and all(s >= 0 for s in array.strides):
-        with warnings.catch_warnings():  # a memory-mapped weight is read-only; it is only read here
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-            source = torch.from_numpy(array.view(f"u{array.dtype.itemsize}"))
-        return source.permute(perm).contiguous().numpy().view(array.dtype)
-    return np.ascontiguousarray(np.transpose(array, perm))
 
 
 def _fold_weight_reshape(node: ir.Node, graph: ir.Graph) -> int:

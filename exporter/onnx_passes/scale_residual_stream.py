@@ -21,7 +21,7 @@ Div by something outside the stream, reshapes, slices, float casts). Then, at it
 - anything else reading it (and a graph output) reads it through a Mul by ``1/s``: these are
   counted in the record as ``unscaled_reads``, since there the values are as large as unscaled.
 
-``s`` is ``2**-k`` with ``k`` from ``exporter.activation_ranges`` (0: the stream fits fp16 with
+``s`` is ``2**-k`` with ``k`` from ``exporter.load.activation_ranges`` (0: the stream fits fp16 with
 headroom, and the pass changes nothing).
 """
 
@@ -35,6 +35,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common
 
 from exporter.onnx_passes.base import run_in_place
+from exporter.weights.lazy_steps import ScaledWeight
 
 @dataclasses.dataclass(frozen=True)
 class _Norm:
@@ -55,22 +56,6 @@ _NORMS = {
 _LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Slice", "Gather",
                      "GatherElements", "GatherND", "Expand", "Tile", "Split", "ReduceSum", "ReduceMean"})
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ScaledWeight:
-    """What a scaled initializer's lazy tensor calls when written: ``tensor`` times ``2**exponent``
-    in its own dtype (exact but where a value leaves the dtype's normal range)."""
-
-    tensor: ir.TensorProtocol
-    exponent: int
-    name: str
-
-    def __call__(self) -> ir.TensorProtocol:
-        values = self.tensor.numpy()
-        with np.errstate(over="ignore", under="ignore"):  # in its dtype: no float32 copy of a large table
-            scaled = values * values.dtype.type(2.0 ** self.exponent)
-        return ir.Tensor(scaled, name=self.name)
 
 
 class _Union:

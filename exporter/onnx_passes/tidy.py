@@ -39,7 +39,7 @@ class DeduplicateConstantsPass(common.DeduplicateInitializersPass):
     folded passes make of them when written (a transposed or cast weight: every lazy initializer),
     stay apart even where their values are equal (fresh-init norms), so that no weight value decides
     the graph, and no weight is read before the package is written (what lets the command line
-    replay an export with another checkpoint's weights: ``exporter.replay``). They are set aside
+    replay an export with another checkpoint's weights: ``exporter.cache.replay``). They are set aside
     while onnx_ir's pass runs and put back in their order."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

@@ -4,35 +4,20 @@
 size limit, such as norm scales cast to fp32 in an fp16 export) becomes one lazy initializer of the
 cast values, computed when the package is written with the same numpy cast the folder evaluates.
 So each weight's bytes stay a function of its checkpoint tensor that a replay repeats
-(``exporter.derived_weights``). Other folds of weights are the folder's (``fold_constants``: in the
+(``exporter.weights.derived_weights``). Other folds of weights are the folder's (``fold_constants``: in the
 decoder it reads them, as for Gemma 2's ``1 + weight`` norm scales, and such a package is not
 recorded as a replay; in a tower those nodes stay for run time)."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 import onnx_ir as ir
 from onnxscript.optimizer import _constant_folding
+
+from exporter.weights.lazy_steps import CastWeight
 
 # The folder's own limit: larger weights stay cast at run time, as it leaves them.
 _FOLDED_SIZE_LIMIT = _constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
 _FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # equal only to itself: never compares tensors
-class CastWeight:
-    """What a folded ``Cast(weight)``'s lazy initializer calls when written: ``tensor`` (a weight's
-    lazy tensor) in ``dtype``, rounded to nearest even where it narrows."""
-
-    tensor: ir.TensorProtocol
-    dtype: ir.DataType
-    name: str
-
-    def __call__(self) -> ir.TensorProtocol:
-        with np.errstate(over="ignore"):  # past fp16's range: infinities, as a cast at run time gives
-            return ir.Tensor(self.tensor.numpy().astype(self.dtype.numpy()), name=self.name)
 
 
 def fold_weight_nodes(graph: ir.Graph) -> int:
@@ -81,7 +66,7 @@ def _cast(node: ir.Node, tensor, source: ir.Value) -> ir.Value | None:
 
 def is_made_from_weight(tensor) -> bool:
     """Whether a lazy tensor is a weight or made from one (an unknown lazy tensor may be)."""
-    from exporter.weights import made_from
+    from exporter.weights.streamed import made_from
 
     if not isinstance(tensor, ir.LazyTensor):
         return False

@@ -6,7 +6,7 @@ exporter's opset a bf16 speech tower (Gemma 4's subsampling and depthwise convol
 ``per_dim_scale`` softplus) or Llama 4's router is a graph ONNX Runtime refuses to load on every
 EP. Each such node reads its inputs cast to float32 and its outputs are cast back, so the rest of
 the graph keeps its dtype and the op computes as PyTorch's bf16 kernels do (in float32, rounded
-once). Which nodes is read off the ONNX schemas (``postconditions.dtype_refusals``), which the
+once). Which nodes is read off the ONNX schemas (``schema_types.dtype_refusals``), which the
 export checks again before writing. It runs after the folds, which rewrite ops (onnxscript makes
 ``SplitToSequence`` a ``Split``, which has bf16), and widens only where nothing but the refused
 type changes; anything else is left for the post-conditions to refuse.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import onnx_ir as ir
 import torch
 
-from exporter.postconditions import DtypeRefusal, dtype_refusals
+from exporter.onnx_passes.schema_types import DtypeRefusal, dtype_refusals
 
 _FLOAT32 = "tensor(float)"
 _WIDENED = frozenset({ir.DataType.BFLOAT16})

@@ -62,8 +62,8 @@ def session_options(profile, captured: bool) -> dict[str, Any]:
 
 
 def export_program(wrapper: torch.nn.Module, sample: tuple, dynamic_shapes) -> ExportedProgram:
-    from exporter.layout import eval_mode
-    from exporter.trace import NoopsUntraced, ordered_string_sets
+    from exporter.load.layout import eval_mode
+    from exporter.trace.decoder import NoopsUntraced, ordered_string_sets
 
     model = wrapper.model
     with torch.no_grad(), eval_mode(model), ordered_string_sets(model), NoopsUntraced():

@@ -1,6 +1,6 @@
 """The decoder session: ONNX Runtime GenAI's decoder I/O (input_ids, or a multimodal package's
 inputs_embeds and per_layer_inputs; attention_mask, position_ids, past KV of the KV-owning layers
--> logits, present KV), traced from the HF model with ``exporter.trace``; its facts are the
+-> logits, present KV), traced from the HF model with ``exporter.trace.decoder``; its facts are the
 ``DecoderLayout``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from exporter.sessions.base import Traced, session_options
-from exporter.trace import input_names, output_names, trace
+from exporter.trace.decoder import input_names, output_names, trace
 
 
 class DecoderSession:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.export import Dim
 
-from exporter.multimodal import SPEECH_PROCESSOR_FILENAME, speech_processor_json
+from exporter.load.multimodal import SPEECH_PROCESSOR_FILENAME, speech_processor_json
 from exporter.sessions.base import Traced, export_program, session_options
 
 FRAME_MULTIPLE = 4  # the tower halves the frames twice

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.export import Dim
 
-from exporter.multimodal import VISION_PROCESSOR_FILENAME, vision_processor_json
+from exporter.load.multimodal import VISION_PROCESSOR_FILENAME, vision_processor_json
 from exporter.sessions.base import Traced, export_program, session_options
 
 SAMPLE_GRID = 6  # a 6 x 6 patch image: 36 patches, 4 soft tokens with 3 x 3 pooling

@@ -65,7 +65,7 @@ def test_unknown_eps_are_named():
 
 def test_genai_config_follows_the_profile(preset_exports):
     """Provider options (graph capture included) and a profile's max_length cap reach genai_config."""
-    from exporter.genai_config import build_genai_config
+    from exporter.package.genai_config import build_genai_config
     from exporter.plan import export_settings
     from exporter.sessions import DecoderSession
 
@@ -95,7 +95,7 @@ def test_generation_settings_keep_a_set_zero(preset_exports):
     """transformers' top_k 0 means no top-k filter, and an explicit 0 is not "unset"."""
     import transformers
 
-    from exporter.genai_config import build_genai_config
+    from exporter.package.genai_config import build_genai_config
 
     layout = preset_exports.get("tiny-gemma-4").package.layout
     generation = transformers.GenerationConfig(top_k=0, top_p=0.9, temperature=0.7, do_sample=True, eos_token_id=[1, 106])

@@ -9,7 +9,7 @@ import transformers
 
 from exporter import ExporterError, export, pipeline
 from exporter.cli import main
-from exporter.presets import build_preset
+from exporter.load.presets import build_preset
 
 pytestmark = pytest.mark.l1
 
@@ -127,7 +127,7 @@ def test_export_failing_midway_leaves_nothing(tmp_path, capsys, monkeypatch):
 
 
 def test_failure_while_writing_removes_the_staging_folder(tmp_path, monkeypatch):
-    from exporter import package
+    from exporter.package import files as package
 
     def broken_save(*args):
         raise OSError("disk full")

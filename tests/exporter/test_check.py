@@ -72,7 +72,7 @@ def test_shared_kv_buffer_without_group_query_attention_fails(preset_exports, tm
 def test_ep_generation_may_part_only_at_a_near_tie():
     import numpy as np
 
-    from exporter.check import _compare_generations
+    from exporter.verify.check import _compare_generations
 
     logits = [np.array([0.0, 5.0, 4.9, 1.0]), np.array([3.0, 0.0, 0.0, 2.0])]
     agree, why = _compare_generations([1, 0], logits, [1, 0], logits, "fp32")
@@ -90,7 +90,7 @@ def test_ep_logits_must_match_the_cpu_while_tokens_agree():
     long before it flips a greedy token. The failure names the step."""
     import numpy as np
 
-    from exporter.check import _compare_generations
+    from exporter.verify.check import _compare_generations
 
     cpu = [np.array([0.0, 5.0, 1.0]), np.array([3.0, 0.0, 2.0])]
     drifted = [cpu[0] + 0.0005, cpu[1] + np.array([0.0, 0.0, 0.012])]
@@ -130,7 +130,7 @@ def test_a_prompt_fed_in_chunks_gives_the_whole_prompts_logits(preset_exports):
     whole prompt does, here on the CPU EP past Gemma 2's window of 8: chunks of 5 over 24 tokens."""
     import numpy as np
 
-    from exporter.check_against import greedy_with_logits
+    from exporter.verify.check_against import greedy_with_logits
 
     package = preset_exports.get("tiny-gemma2").package.path
     prompt = [(7 * i + 3) % 500 + 5 for i in range(24)]
@@ -147,7 +147,7 @@ def test_check_against_prompts_run_past_every_window(preset_exports):
     source's config without its weights."""
     import transformers
 
-    from exporter.check_against import LONG_PROMPT_MIN, PAST_THE_WINDOW, attention_windows, prompt_ids
+    from exporter.verify.check_against import LONG_PROMPT_MIN, PAST_THE_WINDOW, attention_windows, prompt_ids
 
     package = preset_exports.get("tiny-gemma2").package.path
     assert attention_windows(package, "tiny-gemma2") == (8,)

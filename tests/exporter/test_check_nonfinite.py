@@ -19,8 +19,9 @@ import pytest
 
 from ep_profiles import get_profile
 from exporter import export
-from exporter.check import Finding, _check_smoke_generation, _Context, check_package, nonfinite
-from exporter.check_against import degenerate_repeat
+from exporter.verify.check import Finding, _check_smoke_generation, _Context, check_package
+from exporter.verify.distribution import nonfinite
+from exporter.verify.check_against import degenerate_repeat
 from exporter.cli import main
 
 pytestmark = pytest.mark.l1
@@ -94,7 +95,7 @@ def test_nonfinite_counts_nan_and_each_infinity():
 def test_bf16_session_outputs_are_read_as_float32(tmp_path):
     """onnxruntime gives no numpy array for a bf16 output (a bf16 tower's features): they are
     widened bit for bit, a NaN and an Inf kept."""
-    from exporter.ep_runtime import float32_outputs, inference_session
+    from exporter.verify.ep_runtime import float32_outputs, inference_session
 
     make = onnx.helper
     graph = make.make_graph([make.make_node("Cast", ["x"], ["y"], to=onnx.TensorProto.BFLOAT16)], "cast",
@@ -128,7 +129,7 @@ def test_ep_generation_fails_on_logits_not_finite(tiny_llama, tmp_path, monkeypa
     on both). A cpu package names no provider, so GenAI runs the "EP" run on the CPU here: the EP's
     registration, the one thing it adds, is stubbed."""
     package = _edited_copy(tiny_llama.package.path, tmp_path, "model.onnx", "logits", "nan")
-    monkeypatch.setattr("exporter.ep_runtime.register", lambda profile, genai=False: None)
+    monkeypatch.setattr("exporter.verify.ep_runtime.register", lambda profile, genai=False: None)
     findings = list(_check_smoke_generation(_Context(package, get_profile("webgpu"))))
     step_0 = "logits at step 0 (prefill) not finite: 512 NaN of 512 values"
     assert findings == [Finding("smoke_generation", False, f"on CPU, {step_0}"),

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from exporter import ExporterError, export
 from exporter.cli import main
-from exporter.compute_dtype import cast_like_from_pretrained
-from exporter.presets import build_preset
+from exporter.load.compute_dtype import cast_like_from_pretrained
+from exporter.load.presets import build_preset
 
 
 @pytest.mark.l1
@@ -130,7 +130,7 @@ def test_a_tensor_stored_in_the_packages_dtype_is_copied_from_its_checkpoint_byt
     and converted)."""
     import onnx_ir as ir
 
-    from exporter.weights import SafetensorsWeights
+    from exporter.weights.streamed import SafetensorsWeights
 
     folder = gemma4_checkpoint.folder
     source = SafetensorsWeights(folder, {})
@@ -162,7 +162,7 @@ def test_attach_copies_a_weight_in_the_packages_dtype_and_converts_the_others(ge
     import onnx.numpy_helper
     import onnx_ir as ir
 
-    from exporter.weights import WEIGHT_PLACEHOLDER, SafetensorsWeights, attach
+    from exporter.weights.streamed import WEIGHT_PLACEHOLDER, SafetensorsWeights, attach
 
     folder = gemma4_checkpoint.folder
     table = load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from exporter.derived_weights import NotRepeatable, derived_chunks, derived_length
-from exporter.safetensors_header import read_header
+from exporter.weights.derived_weights import NotRepeatable, derived_chunks, derived_length
+from exporter.weights.safetensors_header import read_header
 
 pytestmark = pytest.mark.l1
 
@@ -56,7 +56,7 @@ def test_a_cut_a_transpose_and_casts_are_applied_in_order(tmp_path):
 
 
 def test_a_table_larger_than_a_chunk_is_made_in_pieces(tmp_path, monkeypatch):
-    from exporter import derived_weights
+    from exporter.weights import derived_weights
 
     monkeypatch.setattr(derived_weights, "_CHUNK_BYTES", 1000)
     stored = awkward_values(300 * 7).reshape(300, 7).to(torch.bfloat16)

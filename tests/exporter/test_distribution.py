@@ -1,5 +1,5 @@
 """L1: the distribution measure ``check --against`` judges quantized packages by
-(``exporter.distribution``), on distributions whose KL, top-1 and perplexity are known by hand."""
+(``exporter.verify.distribution``), on distributions whose KL, top-1 and perplexity are known by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from exporter.distribution import DistributionBounds, DistributionTotals
+from exporter.precisions import DistributionBounds
+from exporter.verify.distribution import DistributionTotals
 
 pytestmark = pytest.mark.l1
 

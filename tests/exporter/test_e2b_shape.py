@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from exporter.trace import GenAIDecoder, input_names, make_inputs
+from exporter.trace.decoder import GenAIDecoder, input_names, make_inputs
 
 pytestmark = pytest.mark.slow
 

@@ -19,10 +19,12 @@ import transformers
 from helpers.checkpoints import perturbed_preset_checkpoint, save_checkpoint
 from helpers.webgpu import WEBGPU, require_webgpu
 
-from exporter import activation_ranges, export
-from exporter.activation_ranges import FP16_MAX, decoder_layers, measure
-from exporter.check import check_package
-from exporter.check_against import compare_with_source
+from exporter import export
+
+from exporter.load import activation_ranges
+from exporter.load.activation_ranges import FP16_MAX, decoder_layers, measure
+from exporter.verify.check import check_package
+from exporter.verify.check_against import compare_with_source
 from exporter.precisions import PRECISIONS
 from exporter.errors import ExporterError
 
@@ -133,7 +135,7 @@ def test_half_precision_package_past_fp16_range_gives_fp32_tokens(past_fp16, tmp
     assert np.isfinite(package.report.sample_prefill["max_abs_logit"])
     results = {check: (passed, detail) for check, passed, detail in compare_with_source(package.path, folder,
                                                                                           precision)}
-    # A quantized package is judged by its distribution (exporter.check_against).
+    # A quantized package is judged by its distribution (exporter.verify.check_against).
     first = "source_distribution" if PRECISIONS[precision].distribution else "source_logits"
     assert results[first][0], results[first][1]
     assert results["source_tokens"][0], results["source_tokens"][1]
@@ -177,7 +179,7 @@ def test_gemma_3n_past_fp16_range_is_refused_not_written(past_fp16, tmp_path):
 
 @pytest.mark.l1
 def test_the_report_says_where_an_fp16_package_may_still_overflow():
-    from exporter.activation_ranges import ActivationRanges, risk_notes
+    from exporter.load.activation_ranges import ActivationRanges, risk_notes
 
     def ranges(layer_peak, other_peak):
         return ActivationRanges([layer_peak] * 4, 1.0, other_peak, "layers.3.mlp.act_fn", prompts=4)

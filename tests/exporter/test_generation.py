@@ -9,7 +9,7 @@ import onnxruntime_genai as og
 import pytest
 import torch
 
-from exporter.presets import BOS_ID, EOS_ID, PAD_ID
+from exporter.load.presets import BOS_ID, EOS_ID, PAD_ID
 
 NEW_TOKENS = 32
 # Prompts as token ids (no id is the pad id, so GenAI's pad-derived mask is exact).

@@ -18,9 +18,10 @@ import pytest
 from helpers.checkpoints import save_checkpoint, take_training_step, training_run_checkpoint
 
 from ep_profiles import get_profile
-from exporter import export, graph_cache
-from exporter.presets import PRESETS, build_preset
-from exporter.weights import ModelWeights
+from exporter import export
+from exporter.cache import graph_cache
+from exporter.load.presets import PRESETS, build_preset
+from exporter.weights.streamed import ModelWeights
 
 PACKAGE_FILES = ("model.onnx", "model.onnx.data", "genai_config.json")
 PRESET = "tiny-gemma-4"  # layer_scalar buffers, KV-shared layers, a tied head: every kind of saved tensor
@@ -169,7 +170,7 @@ def test_an_altered_record_is_a_miss(first_export, checkpoints, tmp_path):
 
 def cache_key(model) -> str | dict:
     """The key an fp32 cpu export of ``model`` in memory gets (or why it gets none)."""
-    from exporter.layout import derive_layout
+    from exporter.load.layout import derive_layout
     from exporter.plan import export_settings, make_plan
 
     settings = export_settings(get_profile("cpu"), derive_layout(model), "fp32")

@@ -1,5 +1,5 @@
 """L1 / L2: decoder layers copied from the traced layer of the same structure
-(``exporter.layer_replicas``) give the graph a trace of every layer gives, and the model's numbers.
+(``exporter.trace.layer_replicas``) give the graph a trace of every layer gives, and the model's numbers.
 
 Every checkpoint here is the family's test checkpoint (every init constant moved, saved by
 ``save_pretrained``), so a copy that read the first layer's weights, norms or ``layer_scalar``
@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporter import export, layer_replicas
-from exporter.layout import derive_layout
-from exporter.presets import PRESETS
-from exporter.trace import REPLICATED_LAYERS, GenAIDecoder, make_inputs, trace
+from exporter import export
+
+from exporter.trace import layer_replicas
+from exporter.load.layout import derive_layout
+from exporter.load.presets import PRESETS
+from exporter.trace.decoder import REPLICATED_LAYERS, GenAIDecoder, make_inputs, trace
 from test_translation_ready import _canonical
 
 # A preset for every replicated class, its EP profile, and how many of its layers are traced.

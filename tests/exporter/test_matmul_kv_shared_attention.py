@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ep_profiles import get_profile
-from exporter.lower import lower
+from exporter.lower.torch_onnx import lower
 from exporter.onnx_passes.matmul_kv_shared_attention import MatmulKvSharedAttention
 from exporter.onnx_passes.tidy import Tidy
 from fx_passes import markers  # noqa: F401  (registers the marker ops)

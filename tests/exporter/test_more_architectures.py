@@ -21,7 +21,7 @@ from test_parity import check_parity
 from ep_profiles import get_profile
 from exporter import ExporterError, export
 from exporter.cli import main
-from exporter.presets import build_preset, move_constant_tensors
+from exporter.load.presets import build_preset, move_constant_tensors
 
 pytestmark = pytest.mark.l1
 
@@ -72,7 +72,7 @@ def test_a_failing_layout_probe_names_the_exporter_step_not_the_model(monkeypatc
     def broken(model):
         raise RuntimeError("Expected inputs of BF16 type")
 
-    monkeypatch.setattr("exporter.prepare.derive_layout", broken)
+    monkeypatch.setattr("exporter.load.prepare.derive_layout", broken)
     assert main(["tiny-llama", "-o", str(tmp_path / "out")]) == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "the exporter's layout probe failed" in message and "Expected inputs of BF16 type" in message
@@ -84,8 +84,8 @@ def test_a_failing_layout_probe_names_the_exporter_step_not_the_model(monkeypatc
 def test_the_shared_kv_region_sees_in_place_writes():
     """Gemma 3n's decoder layer writes into a slice of its AltUp stack (``copy_`` with no users):
     the truncation's dataflow must count such a write as feeding whatever reads the stack."""
-    from exporter.layout import derive_layout
-    from exporter.trace import trace
+    from exporter.load.layout import derive_layout
+    from exporter.trace.decoder import trace
     from fx_passes.graph_facts import ancestors, graph_outputs
 
     model, _ = build_preset("tiny-gemma-3n")

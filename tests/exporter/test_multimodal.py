@@ -30,12 +30,12 @@ from helpers.webgpu import WEBGPU, require_webgpu
 
 from ep_profiles import get_profile
 from exporter import export
-from exporter.check import check_package
-from exporter.ep_runtime import genai_config
-from exporter.layout import derive_layout
-from exporter.multimodal import read_processor_settings
-from exporter.presets import PRESETS, build_preset, train_tokenizer
-from exporter.sample_media import gradient_image, tone, write_png, write_wav
+from exporter.verify.check import check_package
+from exporter.verify.ep_runtime import genai_config
+from exporter.load.layout import derive_layout
+from exporter.load.multimodal import read_processor_settings
+from exporter.load.presets import PRESETS, build_preset, train_tokenizer
+from exporter.verify.sample_media import gradient_image, tone, write_png, write_wav
 
 pytestmark = pytest.mark.xdist_group("multimodal")
 
@@ -171,7 +171,7 @@ def test_processor_configs_come_from_the_checkpoint(checkpoint, tmp_path):
     settings["feature_extractor"]["mel_floor"] = 0.01
     settings["feature_extractor"]["max_frequency"] = 7600
     (folder / "processor_config.json").write_text(json.dumps(settings))
-    from exporter.multimodal import (
+    from exporter.load.multimodal import (
         multimodal_facts,
         speech_processor_json,
         vision_processor_json,
@@ -219,8 +219,8 @@ def test_speech_keeps_bias_add_out_of_skip_norms(package):
 @pytest.mark.l1
 def test_a_package_without_audio_keeps_an_empty_speech_section():
     """ONNX Runtime GenAI 0.18 refuses a gemma4 package without a speech section (measured)."""
-    from exporter.genai_config import build_genai_config
-    from exporter.multimodal import multimodal_facts
+    from exporter.package.genai_config import build_genai_config
+    from exporter.load.multimodal import multimodal_facts
 
     preset = PRESETS[PRESET]
     config = preset.make_config()
@@ -339,7 +339,7 @@ def test_bf16_sessions_give_every_op_a_type_its_schema_allows(checkpoint, tmp_pa
     import onnx_ir as ir
     import onnxruntime
 
-    from exporter.postconditions import dtype_refusals
+    from exporter.onnx_passes.schema_types import dtype_refusals
 
     package = export(str(checkpoint), ep="cuda", precision="bf16", output_dir=tmp_path / "bf16")
     widened = {p["name"]: p["changes"] for p in package.report.sessions["speech"].onnx_passes}["widen_unsupported_dtypes"]

@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 from helpers.checkpoints import save_checkpoint
 
-from exporter import destination, package, pipeline
-from exporter.check import check_package
+from exporter import pipeline
+
+from exporter.package import destination, files as package
+from exporter.verify.check import check_package
 from exporter.cli import main
-from exporter.presets import build_preset
+from exporter.load.presets import build_preset
 
 pytestmark = pytest.mark.l1
 ROOT = Path(__file__).resolve().parents[2]
@@ -377,7 +379,7 @@ def test_overwrite_replaces_an_unchanged_package(exported, checkpoint, tmp_path,
 _SLOW_WRITE = """
 import sys, time
 from pathlib import Path
-from exporter import package
+from exporter.package import files as package
 from exporter.cli import main
 real = package.save_model
 def save_model(*args, **kwargs):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ep_profiles import get_profile
-from exporter.lower import lower
+from exporter.lower.torch_onnx import lower
 from exporter.onnx_passes.omit_unread_presents import OmitUnreadPresents
 from fx_passes import markers  # noqa: F401  (registers the marker ops)
 

@@ -13,7 +13,7 @@ import onnx.numpy_helper
 import onnxruntime_genai as og
 import pytest
 
-from exporter.trace import input_names, output_names
+from exporter.trace.decoder import input_names, output_names
 from helpers.families import (
     LAYER_NORM_FAMILIES,
     MIXTURE_OF_EXPERTS_FAMILIES,
@@ -210,7 +210,7 @@ def test_a_session_model_saves_into_its_subfolder(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from exporter.package import save_model
+    from exporter.package.files import save_model
 
     weight = numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(8, 8), "weight")
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "weight"], ["y"])], "g",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exporter import export
-from exporter.trace import GenAIDecoder, input_names, make_inputs
+from exporter.trace.decoder import GenAIDecoder, input_names, make_inputs
 
 # fp32 through different kernels (MLAS vs ATen) and different summation orders: observed max
 # differences are ~5e-6; 1e-4 leaves room without hiding a wrong mask or a wrong position.

@@ -69,7 +69,7 @@ def test_prompt_learning_adapters_are_refused(tmp_path):
 
 
 def test_the_merged_copy_shares_every_tensor_the_adapters_leave_alone(lora_model):
-    from exporter.peft_models import merged_copy
+    from exporter.load.peft_models import merged_copy
 
     model, _ = lora_model
     merged, _ = merged_copy(model)

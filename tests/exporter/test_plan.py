@@ -11,10 +11,10 @@ import pytest
 
 from ep_profiles import get_profile
 from exporter.cli import main
-from exporter.layout import derive_layout
+from exporter.load.layout import derive_layout
 from exporter.plan import export_settings, make_plan
 from exporter.precisions import int4_options
-from exporter.presets import build_preset
+from exporter.load.presets import build_preset
 
 CLEANUP = ["drop_runtime_asserts", "drop_noop_casts", "fold_untranslatable_constants", "complex_as_real_pairs"]
 GQA = "substitute_group_query_attention"
@@ -176,8 +176,8 @@ MULTIMODAL_GOLDEN = {
 @pytest.mark.l1
 @pytest.mark.parametrize("key", list(MULTIMODAL_GOLDEN), ids=["/".join(map(str, k)) for k in MULTIMODAL_GOLDEN])
 def test_golden_multimodal_plan(key):
-    from exporter.multimodal import multimodal_facts
-    from exporter.presets import PRESETS
+    from exporter.load.multimodal import multimodal_facts
+    from exporter.load.presets import PRESETS
 
     ep, precision, int4_encoders = key
     preset = PRESETS["tiny-gemma-4-multimodal"]

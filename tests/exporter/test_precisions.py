@@ -29,10 +29,10 @@ from helpers.genai_greedy import GREEDY_SCRIPT, greedy
 from helpers.trained_model import train_tiny_gemma4
 
 from exporter import export
-from exporter.check_against import departures, teacher_forced_logits
+from exporter.verify.check_against import departures, teacher_forced_logits
 from exporter.precisions import PRECISIONS
-from exporter.presets import build_preset
-from exporter.trace import GenAIDecoder, input_names, make_inputs
+from exporter.load.presets import build_preset
+from exporter.trace.decoder import GenAIDecoder, input_names, make_inputs
 
 GREEDY = GREEDY_SCRIPT
 NEW_TOKENS = 24
@@ -260,7 +260,7 @@ def test_bf16_decoders_give_every_op_a_type_its_schema_allows(tmp_path, preset):
     every EP) and now runs in float32; a MoE decoder's expert Split, which an earlier widening
     broke, keeps one dtype. ONNX Runtime resolves each graph: its CPU EP then lacks bf16 kernels
     (NOT_IMPLEMENTED), never a type error."""
-    from exporter.postconditions import dtype_refusals
+    from exporter.onnx_passes.schema_types import dtype_refusals
 
     model, tokenizer = build_preset(preset)
     package = export(model, tokenizer, ep="cuda", precision="bf16", output_dir=tmp_path / "bf16")

@@ -30,7 +30,7 @@ def test_progress_shows_stages_and_on_a_terminal_the_bytes_written(tmp_path, mon
         assert f"  {stage}: " in shown, shown
     import onnx_ir as ir
 
-    from exporter.package import external_tensors
+    from exporter.package.files import external_tensors
 
     tensors, _ = external_tensors(ir.load(package.model_path))  # those in model.onnx.data
     assert 0 < tensors < package.report.decoder.initializers["count"]  # tiny norms stay in model.onnx
@@ -109,7 +109,7 @@ def test_json_argument_errors_are_json_too(capsys):
 def test_the_default_output_of_a_dot_folder_is_named_after_it(tmp_path, monkeypatch, capsys):
     from helpers.checkpoints import save_checkpoint
 
-    from exporter.presets import build_preset
+    from exporter.load.presets import build_preset
 
     folder = save_checkpoint(*build_preset("tiny-llama"), tmp_path / "my-model")
     monkeypatch.chdir(folder)

@@ -22,7 +22,7 @@ import transformers
 from helpers.real_checkpoints import gemma3_270m_folder, qwen25_coder_05b_folder
 
 from exporter import export
-from exporter.check_against import compare_with_source
+from exporter.verify.check_against import compare_with_source
 
 pytestmark = [pytest.mark.slow, pytest.mark.l4, pytest.mark.xdist_group("real_quantization")]
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from helpers.checkpoints import save_checkpoint, training_run_checkpoint
 
-from exporter import replay
+from exporter.cache import replay
 from exporter.cli import main
-from exporter.preset_names import DEFAULT_PRESET, PRESET_NAMES
+from exporter.load.preset_names import DEFAULT_PRESET, PRESET_NAMES
 
 pytestmark = pytest.mark.l1
 
@@ -87,7 +87,7 @@ def test_another_checkpoint_replays_byte_identical_to_an_uncached_export(checkpo
     assert (report["source"], report["notes"]) == (exported["source"], exported["notes"])
     assert str(checkpoints[1]) in json.dumps(report["notes"])
     # The report's file records are this package's, as `check` reads them.
-    from exporter.integrity import damaged_files, edited_files
+    from exporter.package.integrity import damaged_files, edited_files
 
     assert damaged_files(replayed, [replayed / "model.onnx"]) == [] and edited_files(replayed) == []
 
@@ -190,7 +190,7 @@ def test_converted_cast_and_transposed_weights_replay_byte_identical(ep, precisi
     did."""
     import torch
 
-    from exporter import derived_weights
+    from exporter.weights import derived_weights
 
     saved = []
     dtype = torch.float32 if precision == "bf16" else torch.bfloat16  # the package narrows, or widens
@@ -241,7 +241,7 @@ def test_a_multimodal_package_replays_byte_identical(tmp_path, capsys):
     ``per_dim_scale``) for run time, so every weight is its checkpoint tensor's."""
     import torch
 
-    from exporter.presets import PRESETS
+    from exporter.load.presets import PRESETS
 
     multimodal = "tiny-gemma-4-multimodal"
     folders = []
@@ -340,7 +340,7 @@ def test_tidy_deduplicates_constants_and_keeps_equal_weights_apart():
     import onnx_ir as ir
 
     from exporter.onnx_passes.tidy import DeduplicateConstantsPass
-    from exporter.weights import WEIGHT_PLACEHOLDER, RandomWeights, attach
+    from exporter.weights.streamed import WEIGHT_PLACEHOLDER, RandomWeights, attach
 
     values = {}
     for name in ("c1", "w1", "w2", "c2", "w3"):
@@ -372,6 +372,6 @@ def test_a_folder_named_like_a_preset_exports_the_preset(checkpoints, cache, tmp
 
 
 def test_the_command_line_knows_every_preset_without_importing_them():
-    from exporter.presets import PRESETS
+    from exporter.load.presets import PRESETS
 
     assert set(PRESETS) == PRESET_NAMES and DEFAULT_PRESET in PRESET_NAMES

@@ -10,10 +10,10 @@ import transformers
 from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 
 from exporter import ExporterError, export
-from exporter.package import save_tokenizer
-from exporter.presets import build_preset
-from exporter.sources import LoadOptions, load
-from exporter.trace import GenAIDecoder, input_names, make_inputs
+from exporter.package.files import save_tokenizer
+from exporter.load.presets import build_preset
+from exporter.load.sources import LoadOptions, load
+from exporter.trace.decoder import GenAIDecoder, input_names, make_inputs
 
 
 def _logits_match(package, model, tolerance=1e-4):

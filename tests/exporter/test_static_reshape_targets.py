@@ -12,7 +12,7 @@ from onnx import helper as h
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from exporter.onnx_passes.static_reshape_targets import StaticReshapeTargets
-from exporter.postconditions import cpu_placed_nodes
+from exporter.verify.postconditions import cpu_placed_nodes
 
 
 def _model(target_dims: list, output_dims: list) -> ir.Model:

@@ -1,4 +1,4 @@
-"""L1: what the decoder's trace records (``exporter.trace``)."""
+"""L1: what the decoder's trace records (``exporter.trace.decoder``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.export import Dim
 
-from exporter.trace import NoopsUntraced
+from exporter.trace.decoder import NoopsUntraced
 
 
 class _Noops(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""L1 / L2: lowering without torch.onnx's decomposition re-trace (``exporter.translation_ready``)
+"""L1 / L2: lowering without torch.onnx's decomposition re-trace (``exporter.trace.translation_ready``)
 gives the graph the re-trace gives, and each rewrite keeps what the program computes."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import pytest
 import torch
 from torch.onnx._internal.exporter import _decomp, _registration
 
-from exporter import export, translation_ready
-from exporter.lower import lower
+from exporter import export
+
+from exporter.trace import translation_ready
+from exporter.lower.torch_onnx import lower
 
 
 def _canonical(path) -> tuple:

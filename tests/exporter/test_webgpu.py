@@ -17,8 +17,9 @@ from helpers.genai_greedy import greedy
 from helpers.webgpu import WEBGPU, require_webgpu
 
 from ep_profiles import PLAIN_ATTENTION
-from exporter import ExporterError, export, postconditions
-from exporter.ep_runtime import inference_session, placement
+from exporter import ExporterError, export
+from exporter.verify import postconditions
+from exporter.verify.ep_runtime import inference_session, placement
 from exporter.onnx_passes import ONNX_PASSES
 
 pytestmark = pytest.mark.xdist_group("webgpu")

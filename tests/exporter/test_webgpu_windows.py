@@ -26,9 +26,9 @@ from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 from helpers.webgpu import WEBGPU, require_webgpu
 
 from exporter import export
-from exporter.check_against import greedy_with_logits, teacher_forced_logits
+from exporter.verify.check_against import greedy_with_logits, teacher_forced_logits
 from exporter.precisions import PRECISIONS
-from exporter.presets import _small, build_preset, train_tokenizer
+from exporter.load.presets import _small, build_preset, train_tokenizer
 
 pytestmark = [pytest.mark.l5, pytest.mark.xdist_group("webgpu")]
 
@@ -95,7 +95,7 @@ def _worst_on_webgpu(package, reference) -> tuple[float, int]:
     """max |WebGPU logit - transformers logit| over PROMPT's generation, and the step it is at. The
     prompt goes 31 tokens at a time: lavapipe's GroupQueryAttention is wrong from 32 query rows
     (the adapter's fault, see the webgpu profile)."""
-    from exporter.ep_runtime import prompt_chunk, register
+    from exporter.verify.ep_runtime import prompt_chunk, register
 
     register(WEBGPU, genai=True)
     chunk = prompt_chunk(WEBGPU)
@@ -132,7 +132,7 @@ def test_windowed_family_on_webgpu_matches_transformers_past_the_window(family, 
 def test_gemma2_with_the_softcap_left_to_the_kernel_fails_check_against(tmp_path):
     """The package as exported before the kernel facts (GroupQueryAttention trusted with the softcap)
     fails ``check --ep webgpu --against``, naming the position; the shipped one passes."""
-    from exporter.check import check_package
+    from exporter.verify.check import check_package
 
     require_webgpu()
     _checkpoint("gemma2", tmp_path / "checkpoint")
@@ -159,7 +159,7 @@ def test_onnx_runtime_folds_head_norms_into_group_query_attention_itself(preset_
     import onnx
     import onnxruntime as ort
 
-    from exporter.ep_runtime import register
+    from exporter.verify.ep_runtime import register
 
     require_webgpu()
     package = export(str(preset_exports.get("tiny-gemma-4").checkpoint), ep="webgpu", precision="fp32",

@@ -21,7 +21,8 @@ from onnx import numpy_helper
 
 from exporter.errors import ExporterBug
 from exporter.onnx_passes.widen_unsupported_dtypes import WidenUnsupportedDtypes
-from exporter.postconditions import dtype_refusals, require
+from exporter.onnx_passes.schema_types import dtype_refusals
+from exporter.verify.postconditions import require
 
 BF16_STEP = 2.0**-8
 

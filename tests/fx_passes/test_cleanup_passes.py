@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ep_profiles import get_profile
-from exporter.layout import derive_layout
-from exporter.presets import build_preset
-from exporter.trace import make_inputs, trace
+from exporter.load.layout import derive_layout
+from exporter.load.presets import build_preset
+from exporter.trace.decoder import make_inputs, trace
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 
 ASSERT = torch.ops.aten._assert_tensor_metadata.default

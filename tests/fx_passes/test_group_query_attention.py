@@ -10,9 +10,9 @@ import torch
 from helpers.families import FAMILIES, MIXTURE_OF_EXPERTS_FAMILIES, PLAIN_ATTENTION_LAYERS
 
 from ep_profiles import get_profile
-from exporter.layout import derive_layout
-from exporter.presets import build_preset
-from exporter.trace import make_inputs, trace
+from exporter.load.layout import derive_layout
+from exporter.load.presets import build_preset
+from exporter.trace.decoder import make_inputs, trace
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.mask_probe import causal_window, decode_step_agrees

@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from exporter.lower import lower
-from exporter.postconditions import cpu_placed_nodes
+from exporter.lower.torch_onnx import lower
+from exporter.verify.postconditions import cpu_placed_nodes
 from fx_passes import markers  # noqa: F401  (registers the marker ops)
 
 HIDDEN = 6

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from ep_profiles import get_profile
-from exporter.layout import derive_layout
+from exporter.load.layout import derive_layout
 from exporter.plan import export_settings, make_plan
-from exporter.presets import build_preset
-from exporter.trace import GenAIDecoder, make_inputs, trace
+from exporter.load.presets import build_preset
+from exporter.trace.decoder import GenAIDecoder, make_inputs, trace
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
 

@@ -8,9 +8,9 @@ import torch
 from helpers.families import FUSED_MIXTURE_OF_EXPERTS_FAMILIES
 
 from ep_profiles import get_profile
-from exporter.layout import derive_layout
-from exporter.presets import build_preset
-from exporter.trace import make_inputs, trace
+from exporter.load.layout import derive_layout
+from exporter.load.presets import build_preset
+from exporter.trace.decoder import make_inputs, trace
 from fx_passes.base import PassContext, run_fx_passes
 from fx_passes.registry import FX_PASSES
 

@@ -13,10 +13,10 @@ import torch
 
 from ep_profiles import get_profile
 from exporter import export
-from exporter.check import check_package
-from exporter.layout import derive_layout
-from exporter.presets import build_preset
-from exporter.trace import make_inputs, trace
+from exporter.verify.check import check_package
+from exporter.load.layout import derive_layout
+from exporter.load.presets import build_preset
+from exporter.trace.decoder import make_inputs, trace
 from fx_passes import FX_PASSES, PassContext, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.split_oversized_weights import piece_bounds

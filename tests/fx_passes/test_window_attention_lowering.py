@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from exporter.lower import lower
+from exporter.lower.torch_onnx import lower
 from fx_passes import markers  # noqa: F401  (registers the marker ops)
 
 NUM_HEADS, HEAD, WINDOW, SCALE = 4, 8, 4, 0.3

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from exporter.presets import (  # noqa: F401  (re-exported for tests)
+from exporter.load.presets import (  # noqa: F401  (re-exported for tests)
     SCALE_RANGE,
     ZERO_NOISE,
     build_preset,

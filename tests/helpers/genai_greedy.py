@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import onnxruntime_genai as og
 
 from ep_profiles import get_profile
-from exporter.ep_runtime import register
+from exporter.verify.ep_runtime import register
 
 GREEDY_SCRIPT = Path(__file__)  # run as a script: a process of its own
 

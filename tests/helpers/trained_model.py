@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from exporter.presets import _CORPUS, PRESETS, build_preset
+from exporter.load.presets import _CORPUS, PRESETS, build_preset
 
 TRAIN_STEPS = 300
 WINDOW = 48

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from ep_profiles import get_profile
-from exporter.ep_runtime import EpUnavailable
+from exporter.verify.ep_runtime import EpUnavailable
 
 WEBGPU = get_profile("webgpu")
 
@@ -17,7 +17,7 @@ def require_webgpu():
     import onnxruntime as ort
 
     try:
-        from exporter.ep_runtime import register
+        from exporter.verify.ep_runtime import register
 
         register(WEBGPU)
         if not any(d.ep_name == WEBGPU.ort_provider for d in ort.get_ep_devices()):

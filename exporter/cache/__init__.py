@@ -1,0 +1,1 @@
+"""Cache: the graph cache (reused lowered graphs) and replays (a re-export that only re-reads weights)."""

@@ -1,0 +1,73 @@
+"""Make a loaded model ready to trace: cast it to the export's compute dtype (a copy for a caller's
+in-memory model), read its KV layout from one run, and swap tensors whose values come at write time
+(empty parameters, a checkpoint's persistent buffers) for fake ones."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from exporter.weights import streamed as weights
+from exporter.load.activation_ranges import ActivationRanges, calibrate
+from exporter.load.compute_dtype import cast_like_from_pretrained
+from exporter.errors import ExporterError
+from exporter.load.layout import DecoderLayout, causal_lm_view, derive_layout
+from exporter.load.sources import LoadedModel
+
+
+@dataclass
+class PreparedModel:
+    model: transformers.PreTrainedModel  # the whole model: a multimodal one's towers too
+    decoder: transformers.PreTrainedModel  # its causal LM (``model`` itself, or a view of its parts)
+    layout: DecoderLayout
+    # Every saved tensor's shape, for matching initializers to tensors.
+    saved_shapes: dict[str, tuple[int, ...]]
+    # Where the package's weights are read when it is written: the loaded source's, or the model's
+    # own tensors where the model holds them (then traced with their values: ``weights_in_model``).
+    weight_source: weights.WeightSource
+    # fp16 activations: the decoder's float32 peaks on the calibration prompts, or why they were
+    # not measured (``exporter.load.activation_ranges``); None at other precisions.
+    activation_ranges: ActivationRanges | str | None = None
+
+    @property
+    def weights_in_model(self) -> bool:
+        return isinstance(self.weight_source, weights.ModelWeights)
+
+
+def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
+    # Measured first, in float32 on the model as loaded: the cast and the fake weights come after.
+    ranges = calibrate(loaded) if dtype == torch.float16 else None
+    model = loaded.model
+    if loaded.weights is not None:
+        cast_like_from_pretrained(model, dtype)  # empty parameters, built for this export: no copy
+        model.tie_weights()  # converting meta parameters replaces them, untying a tied LM head
+    elif any(p.dtype != dtype for p in model.parameters()):
+        # A copy: an in-memory model belongs to the caller (often mid-training) and keeps its dtype.
+        model = copy.deepcopy(model)
+        cast_like_from_pretrained(model, dtype)
+        loaded.notes.append(f"weights converted to {str(dtype).removeprefix('torch.')} for tracing "
+                            "(a copy; the model is unchanged)")
+    decoder = causal_lm_view(model) if loaded.multimodal else model
+    try:
+        layout = derive_layout(decoder)
+    except Exception as error:
+        # The exporter's own step failed, whatever the cause: say which step, and what it raised.
+        raise ExporterError(
+            f"the exporter's layout probe failed: running {type(decoder).__name__} on 2 tokens with a "
+            f"transformers DynamicCache, to read which layers keep a KV cache, raised "
+            f"{type(error).__name__}: {_first_line(error)}; if the model runs in transformers, this is the "
+            "exporter's limit: please report it with the model's config (--debug shows the traceback)"
+        ) from error
+    saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    if loaded.weights is None:
+        return PreparedModel(model, decoder, layout, saved_shapes, weights.ModelWeights(model), ranges)
+    weights.fake_weights(model, buffers=loaded.weights.provides_buffers)
+    return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights, ranges)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
