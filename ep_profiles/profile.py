@@ -37,6 +37,14 @@ class AttentionKernel:
         lavapipe: a fault that moves with the adapter's subgroup size, not seen on a GPU). The plan
         does not route by it (GPU users would pay for the adapter's fault); ``check`` feeds prompts
         on such an adapter in chunks of this many tokens.
+    fills_requested_presents: the kernel writes every present output it is asked for, zero-filled
+        as long as the past (``max_length`` slots when the buffer is shared) with each row's real
+        tokens copied in, at every step, and it runs without them, reading the past in place.
+        ONNX Runtime 1.32's CPU kernel does both (tests/exporter/test_omit_unread_presents.py).
+    reads_kv_head_per_query_head: a call reads each KV head once per query head, not once per
+        group of query heads that share it (ONNX Runtime 1.32's CPU kernel, at Gemma 4 E2B's
+        shapes: 8 query heads per KV head, heads of 256 and 512; scripts/benchmark.py
+        --kv-shared-attention).
     multi_head_attention_rows: the most query rows for which ``com.microsoft.MultiHeadAttention``
         with an attention bias was right on the adapter ``measured`` names (on lavapipe the same
         prefill kernel as GroupQueryAttention's fault; the exporter writes no MultiHeadAttention).
@@ -51,6 +59,8 @@ class AttentionKernel:
     exact_query_rows: int | None = None
     software_adapter_query_rows: int | None = None
     multi_head_attention_rows: int | None = None
+    fills_requested_presents: bool = False
+    reads_kv_head_per_query_head: bool = False
     measured: str = ""
 
 
@@ -79,15 +89,6 @@ class EpProfile:
     max_buffer_size: the largest single weight the EP can hold, in bytes; None means no limit.
     past_present_share_buffer: whether generation shares one KV buffer between past and present
         (written to genai_config only when every layer's attention is GroupQueryAttention).
-    omit_unread_presents: whether GroupQueryAttention nodes whose present key and value nobody
-        reads (KV-shared layers) are written without those optional outputs, so the EP's kernel
-        reads the past in place. ONNX Runtime 1.32's CPU kernel otherwise zero-fills presents as
-        long as the past (max_length slots when the buffer is shared) and copies each row's real
-        tokens into them, in every such layer at every step.
-    matmul_kv_shared_attention: whether a KV-shared layer's attention on one query per row (every
-        call once prefill runs those layers on the last token) becomes MatMul/Softmax over its
-        owner's real slots, where each KV head is read once for all its query heads; ONNX Runtime
-        1.32's CPU GroupQueryAttention reads it once per query head.
     graph_capture_option: the provider option that turns on graph capture (CUDA graphs, WebGPU's
         command recording), empty if the EP has none.
     graph_capture: whether packages for this profile capture the decoder's graph. A captured graph
@@ -127,8 +128,6 @@ class EpProfile:
     attention_kernel: AttentionKernel = AttentionKernel()
     max_buffer_size: int | None = None
     past_present_share_buffer: bool = False
-    omit_unread_presents: bool = False
-    matmul_kv_shared_attention: bool = False
     graph_capture_option: str = ""
     graph_capture: bool = False
     max_length: int | None = None

@@ -16,6 +16,12 @@ _NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 # WebGPU EPs"); an 8-bit per-tensor KV cache runs.
 _CPU_ATTENTION = AttentionKernel(
     kv_cache_bit_widths=(8,),
+    # Measured: a KV-shared call without presents gives the same output and skips their zero-fill
+    # and copy (the pass exporter/onnx_passes/omit_unread_presents.py acts on it).
+    fills_requested_presents=True,
+    # Measured at Gemma 4 E2B's shapes: a KV-shared call on one query is faster as MatMul/Softmax
+    # reading each KV head once (exporter/onnx_passes/matmul_kv_shared_attention.py acts on it).
+    reads_kv_head_per_query_head=True,
     measured="ONNX Runtime 1.32 CPU EP, 2026-12-06",
 )
 
@@ -52,13 +58,6 @@ CPU = EpProfile(
     attention_op=GROUP_QUERY_ATTENTION,
     norm_fusions=_NORMS,
     past_present_share_buffer=True,
-    # ONNX Runtime 1.32's CPU kernel, measured: a KV-shared call without presents gives the same
-    # output and skips their zero-fill and copy (exporter/onnx_passes/omit_unread_presents.py).
-    omit_unread_presents=True,
-    # Measured on ONNX Runtime 1.32's CPU kernel at Gemma 4 E2B's shapes (8 query heads per KV head,
-    # heads of 256 and 512): a KV-shared call on one query is faster as MatMul/Softmax reading the
-    # KV head once (exporter/onnx_passes/matmul_kv_shared_attention.py).
-    matmul_kv_shared_attention=True,
     attention_kernel=_CPU_ATTENTION,
     int4_activations="fp32",
     int4_accuracy_level=4,

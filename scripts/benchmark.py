@@ -515,8 +515,9 @@ def benchmark_kv_shared_attention(args) -> None:
 
     loaded = load(args.model)
     cpu = get_profile("cpu")
-    variants = {"GroupQueryAttention": dataclasses.replace(cpu, name="cpu-kv-shared-gqa",
-                                                           matmul_kv_shared_attention=False),
+    # The same profile told its kernel reads each KV head once: the plan then keeps GroupQueryAttention.
+    once = dataclasses.replace(cpu.attention_kernel, reads_kv_head_per_query_head=False)
+    variants = {"GroupQueryAttention": dataclasses.replace(cpu, name="cpu-kv-shared-gqa", attention_kernel=once),
                 "MatMul/Softmax": cpu}
     length = args.prompt_lengths[-1]
     with tempfile.TemporaryDirectory() as scratch:

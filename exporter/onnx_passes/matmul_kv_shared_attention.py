@@ -132,7 +132,7 @@ class MatmulKvSharedAttention:
     name = "matmul_kv_shared_attention"
 
     def applies(self, facts, session) -> str | None:
-        if not (facts.profile.matmul_kv_shared_attention and facts.attention_op and session.is_decoder
+        if not (facts.profile.attention_kernel.reads_kv_head_per_query_head and facts.attention_op and session.is_decoder
                 and facts.layout.shared_layer_indices and not facts.full_logits):
             return None
         return (f"{facts.profile.name}'s GroupQueryAttention reads a KV head once per query head; KV-shared layers "

@@ -38,11 +38,11 @@ class OmitUnreadPresents:
     name = "omit_unread_presents"
 
     def applies(self, facts, session) -> str | None:
-        if not (facts.profile.omit_unread_presents and facts.attention_op and session.is_decoder
+        if not (facts.profile.attention_kernel.fills_requested_presents and facts.attention_op and session.is_decoder
                 and facts.layout.num_kv_shared_layers):
             return None
-        return (f"{facts.profile.name}'s GroupQueryAttention reads a KV-shared layer's past in place when asked for "
-                "no present")
+        return (f"{facts.profile.name}'s GroupQueryAttention fills every present it is asked for and reads the past "
+                "in place when asked for none")
 
     def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
         omitted = 0
