@@ -47,7 +47,7 @@ from exporter.sessions import SESSIONS
 from exporter.load.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
 from exporter.trace.decoder import REPLICATED_LAYERS
-from fx_passes import FX_PASSES, PassContext, run_fx_passes
+from fx_passes import FX_PASSES, run_fx_passes
 from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.markers import FLOAT32_COUNT_LIMIT
 from fx_passes.substitute_group_query_attention import describe_plain_layers
@@ -480,11 +480,9 @@ def _new_report(loaded, settings: ExportSettings, plan: ExportPlan) -> ExportRep
 
 
 def _run_fx_passes(program, session_plan, settings: ExportSettings, session):
-    context = PassContext(profile=settings.profile, layout=settings.layout, precision=settings.precision,
-                          weight_bytes=settings.stored_weight_bytes(session), graph_capture=session.captured(settings))
     passes = [FX_PASSES[p.name] for p in session_plan.fx_passes]
     try:
-        program, records = run_fx_passes(program, passes, context)
+        program, records = run_fx_passes(program, passes, settings, session)
     except PassDidNotApply as error:
         raise ExporterError(f"FX pass failed: {error}") from error
     return program, [dataclasses.asdict(r) for r in records]

@@ -26,7 +26,8 @@ from fx_passes import FX_PASSES
 
 @dataclass(frozen=True)
 class ExportSettings:
-    """The facts every pass's ``applies`` reads (``fx_passes.base.PlanFacts``)."""
+    """What the plan decided for an export: every pass's ``applies`` and ``__call__`` read it, and so do
+    the sessions (``fx_passes.base.Settings`` is its protocol below the plan)."""
 
     profile: EpProfile
     layout: DecoderLayout

@@ -1,10 +1,10 @@
 """Rewrites of the torch.export program, one module per pass.
 
-Each pass is a callable ``(program, context) -> (program, changes)``; ``changes`` is a small dict
+Each pass is a callable ``(program, settings, session) -> (program, changes)``; ``changes`` is a small dict
 of counts that the export report shows. Every pass keeps the program runnable in PyTorch.
 """
 
-from fx_passes.base import FxPass, PassContext, PassRecord, run_fx_passes
+from fx_passes.base import FxPass, PassRecord, Settings, run_fx_passes
 from fx_passes.registry import FX_PASSES
 
-__all__ = ["FX_PASSES", "FxPass", "PassContext", "PassRecord", "run_fx_passes"]
+__all__ = ["FX_PASSES", "FxPass", "PassRecord", "Settings", "run_fx_passes"]

@@ -12,28 +12,23 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
 
-@dataclass(frozen=True)
-class PassContext:
-    """What a pass may read besides the program: the EP profile's facts, what the export plan
-    decided (precision, the bytes a stored weight takes at it, whether the graph is captured) and
-    the decoder layout derived from the model (never the model's name)."""
+class Settings(Protocol):
+    """What a pass reads of an export besides the program: the export plan's settings
+    (``exporter.plan.ExportSettings``, the one object FX and ONNX passes, the plan and the sessions
+    read), written here as the protocol passes rely on, since passes sit below the plan. Passes
+    ask it about their own session (``settings.stored_weight_bytes(session)``,
+    ``session.captured(settings)``): the sessions of one package differ."""
 
-    profile: Any
-    layout: Any
-    precision: str = "fp32"
-    weight_bytes: float = 4
-    graph_capture: bool = False
-
-
-class PlanFacts(Protocol):
-    """What a pass's ``applies`` reads: the export plan's settings (``exporter.plan``)."""
-
-    profile: Any
-    layout: Any
+    profile: Any  # the EP profile's facts
+    layout: Any  # the decoder layout derived from the model (never the model's name)
     precision: str
     graph_capture: bool
     attention_op: bool  # the profile's attention op replaces transformers' attention
     full_logits: bool
+
+    def quantized(self, session: Any) -> bool: ...
+
+    def stored_weight_bytes(self, session: Any) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -46,13 +41,13 @@ class PassRecord:
 class FxPass(Protocol):
     name: str
 
-    def applies(self, facts: PlanFacts, session: Any) -> str | None:
-        """Why the pass runs on this session (``exporter.sessions``) of an export with these facts,
+    def applies(self, settings: Settings, session: Any) -> str | None:
+        """Why the pass runs on this session (``exporter.sessions``) of an export with these settings,
         or None where it does not."""
         ...
 
     def __call__(
-        self, program: ExportedProgram, context: PassContext
+        self, program: ExportedProgram, settings: Settings, session: Any
     ) -> tuple[ExportedProgram, dict[str, int]]: ...
 
 
@@ -94,12 +89,12 @@ def add_parameter(program: ExportedProgram, target: str, tensor: torch.Tensor) -
 
 
 def run_fx_passes(
-    program: ExportedProgram, passes: list[FxPass], context: PassContext
+    program: ExportedProgram, passes: list[FxPass], settings: Settings, session: Any
 ) -> tuple[ExportedProgram, list[PassRecord]]:
     records = []
     for fx_pass in passes:
         start = time.perf_counter()
-        program, changes = fx_pass(program, context)
+        program, changes = fx_pass(program, settings, session)
         records.append(PassRecord(fx_pass.name, dict(changes), time.perf_counter() - start))
     outputs_named_as_in_graph(program)
     return program, records

@@ -15,7 +15,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from fx_passes.base import PassContext
+from fx_passes.base import Settings
 from fx_passes.graph_facts import PassDidNotApply, set_fake_value
 
 _aten = torch.ops.aten
@@ -25,10 +25,10 @@ _SAME_DTYPE = (_aten.to.dtype_layout, _aten.to.dtype, _aten.clone.default, _aten
 class ComplexAsRealPairs:
     name = "complex_as_real_pairs"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         return "ONNX has no complex type: complex tensors (Llama 4's rotary) become real (re, im) pairs"
 
-    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
+    def __call__(self, program: ExportedProgram, settings: Settings, session) -> tuple[ExportedProgram, dict[str, int]]:
         graph = program.graph
         pairs: dict[Node, Node] = {}  # complex node -> the real node of its pairs
         rewritten = 0

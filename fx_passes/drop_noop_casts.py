@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 
-from fx_passes.base import PassContext, erase_nodes
+from fx_passes.base import Settings, erase_nodes
 
 _aten = torch.ops.aten
 _DTYPE_ONLY_TARGETS = {
@@ -45,11 +45,11 @@ def _is_noop(node: torch.fx.Node) -> bool:
 class DropNoopCasts:
     name = "drop_noop_casts"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         return "casts to the dtype a tensor already has are no-ops"
 
     def __call__(
-        self, program: ExportedProgram, context: PassContext
+        self, program: ExportedProgram, settings: Settings, session
     ) -> tuple[ExportedProgram, dict[str, int]]:
         erased = erase_nodes(program, lambda node: node.target in _DTYPE_ONLY_TARGETS and _is_noop(node))
         return program, {"casts_erased": erased}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 
-from fx_passes.base import PassContext, erase_nodes
+from fx_passes.base import Settings, erase_nodes
 
 _ASSERT_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
 
@@ -19,11 +19,11 @@ _ASSERT_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
 class DropRuntimeAsserts:
     name = "drop_runtime_asserts"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         return "torch.export's runtime shape asserts check nothing ONNX Runtime can act on"
 
     def __call__(
-        self, program: ExportedProgram, context: PassContext
+        self, program: ExportedProgram, settings: Settings, session
     ) -> tuple[ExportedProgram, dict[str, int]]:
         erased = erase_nodes(program, lambda node: node.target in _ASSERT_TARGETS and not node.users)
         return program, {"asserts_erased": erased}

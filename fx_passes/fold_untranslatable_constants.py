@@ -14,7 +14,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from fx_passes.base import PassContext, add_parameter, program_fake_mode
+from fx_passes.base import Settings, add_parameter, program_fake_mode
 from fx_passes.graph_facts import ancestors, evaluate_nodes
 
 _UNTRANSLATABLE = (torch.ops.aten.erfinv.default,)
@@ -23,10 +23,10 @@ _UNTRANSLATABLE = (torch.ops.aten.erfinv.default,)
 class FoldUntranslatableConstants:
     name = "fold_untranslatable_constants"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         return "ops ONNX has no operator for (erfinv) become their value where they read constants only"
 
-    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
+    def __call__(self, program: ExportedProgram, settings: Settings, session) -> tuple[ExportedProgram, dict[str, int]]:
         graph = program.graph
         user_inputs = {spec.arg.name for spec in program.graph_signature.input_specs
                        if spec.kind == InputKind.USER_INPUT}

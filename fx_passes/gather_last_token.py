@@ -15,7 +15,7 @@ import torch
 from torch.export import ExportedProgram
 
 from fx_passes import markers  # noqa: F401  (registers the genai_exporter::last_token op)
-from fx_passes.base import PassContext
+from fx_passes.base import Settings
 from fx_passes.graph_facts import (
     PassDidNotApply,
     axes_equal_to,
@@ -31,11 +31,11 @@ _PROJECTIONS = (_aten.linear.default, _aten.matmul.default, _aten.mm.default)
 
 
 def insert_last_token(graph: torch.fx.Graph, tensor: torch.fx.Node, mask: torch.fx.Node, axis: int,
-                      context: PassContext, before: torch.fx.Node | None = None) -> torch.fx.Node:
+                      captured: bool, before: torch.fx.Node | None = None) -> torch.fx.Node:
     """A ``last_token`` of ``tensor``, right after it or right ``before`` a node (its first reader,
     so in-place writes into ``tensor`` in between are gathered too); in a graph-captured decoder it
     reads the position ids instead of the mask (``last_token``'s form with no shape arithmetic)."""
-    position_ids = graph_input(graph, "position_ids") if context.graph_capture else None
+    position_ids = graph_input(graph, "position_ids") if captured else None
     with graph.inserting_after(tensor) if before is None else graph.inserting_before(before):
         gathered = graph.call_function(torch.ops.genai_exporter.last_token.default, (tensor, mask, axis, position_ids))
     set_fake_value(gathered)
@@ -60,15 +60,15 @@ def _vocabulary_projections(node: torch.fx.Node, vocab_size: int) -> list[torch.
 class GatherLastToken:
     name = "gather_last_token"
 
-    def applies(self, facts, session) -> str | None:
-        if not session.is_decoder or facts.full_logits:
+    def applies(self, settings, session) -> str | None:
+        if not session.is_decoder or settings.full_logits:
             return None
         return "generation reads the last token's logits only"
 
-    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
+    def __call__(self, program: ExportedProgram, settings: Settings, session) -> tuple[ExportedProgram, dict[str, int]]:
         graph = program.graph
         logits = graph_outputs(program)[0]
-        vocab_size = context.layout.vocab_size
+        vocab_size = settings.layout.vocab_size
         walked = []
         node = logits
         while isinstance(node, torch.fx.Node) and node.op == "call_function":
@@ -89,7 +89,7 @@ class GatherLastToken:
                 f"{self.name}: the LM head's input {hidden.name} has shape "
                 f"{tuple(hidden.meta['val'].shape)}; expected exactly one sequence axis"
             )
-        gathered = insert_last_token(graph, hidden, user_input(program, "attention_mask"), axes[0], context)
+        gathered = insert_last_token(graph, hidden, user_input(program, "attention_mask"), axes[0], session.captured(settings))
         for projection in projections:
             projection.replace_input_with(hidden, gathered)
         graph.lint()

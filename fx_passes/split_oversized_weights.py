@@ -21,7 +21,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
-from fx_passes.base import PassContext, add_parameter
+from fx_passes.base import Settings, add_parameter
 from fx_passes.graph_facts import PassDidNotApply, set_fake_value
 
 _aten = torch.ops.aten
@@ -48,13 +48,13 @@ def piece_bounds(size: int, other: int, element_bytes: float, limit: int, multip
 class SplitOversizedWeights:
     name = "split_oversized_weights"
 
-    def applies(self, facts, session) -> str | None:
-        limit = facts.profile.max_buffer_size
-        return None if limit is None else f"{facts.profile.name} holds at most {limit // 2**20} MiB in one buffer"
+    def applies(self, settings, session) -> str | None:
+        limit = settings.profile.max_buffer_size
+        return None if limit is None else f"{settings.profile.name} holds at most {limit // 2**20} MiB in one buffer"
 
-    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
-        limit = context.profile.max_buffer_size
-        element_bytes = context.weight_bytes
+    def __call__(self, program: ExportedProgram, settings: Settings, session) -> tuple[ExportedProgram, dict[str, int]]:
+        limit = settings.profile.max_buffer_size
+        element_bytes = settings.stored_weight_bytes(session)
         graph = program.graph
         signature = program.graph_signature
         specs = {spec.arg.name: spec for spec in signature.input_specs if isinstance(spec.arg, TensorArgument)}
@@ -71,7 +71,7 @@ class SplitOversizedWeights:
                 continue
             for use, user in enumerate(list(placeholder.users)):
                 pieces_made += self._split_use(
-                    program, placeholder, spec, weight, user, element_bytes, limit, context, f"{spec.target}.use{use}"
+                    program, placeholder, spec, weight, user, element_bytes, limit, settings, f"{spec.target}.use{use}"
                 )
             weights_split += 1
             if not placeholder.users:
@@ -81,12 +81,12 @@ class SplitOversizedWeights:
             program.graph_module.recompile()
         return program, {"weights_split": weights_split, "pieces": pieces_made}
 
-    def _split_use(self, program, placeholder, spec, weight, user, element_bytes, limit, context, prefix) -> int:
+    def _split_use(self, program, placeholder, spec, weight, user, element_bytes, limit, settings, prefix) -> int:
         graph = program.graph
         if user.target is _EMBEDDING and user.args[0] is placeholder:
             rows, columns = weight.shape
             # Per-layer tables are [vocab, layers * width]: prefer cuts between layers.
-            width = columns // context.layout.num_layers if columns % context.layout.num_layers == 0 else 1
+            width = columns // settings.layout.num_layers if columns % settings.layout.num_layers == 0 else 1
             bounds = piece_bounds(columns, rows, element_bytes, limit, multiple_of=width)
             slices = [weight[:, a:b] for a, b in bounds]
         elif user.target is _LINEAR and user.args[1] is placeholder:

@@ -34,7 +34,7 @@ from fx_passes.attention_cores import (
     find_attention_cores,
     heads_output,
 )
-from fx_passes.base import PassContext, add_parameter
+from fx_passes.base import Settings, add_parameter
 from fx_passes.graph_facts import (
     PassDidNotApply,
     evaluate_nodes,
@@ -56,13 +56,13 @@ _ROTARY = torch.ops.genai_exporter.rotary_embedding.default
 class SubstituteGroupQueryAttention:
     name = "substitute_group_query_attention"
 
-    def applies(self, facts, session) -> str | None:
-        if not session.is_decoder or not facts.attention_op:
+    def applies(self, settings, session) -> str | None:
+        if not session.is_decoder or not settings.attention_op:
             return None
-        return f"{facts.profile.name} runs GroupQueryAttention at {facts.precision}"
+        return f"{settings.profile.name} runs GroupQueryAttention at {settings.precision}"
 
-    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict]:
-        layout = context.layout
+    def __call__(self, program: ExportedProgram, settings: Settings, session) -> tuple[ExportedProgram, dict]:
+        layout = settings.layout
         cores = find_attention_cores(program)
         if len(cores) != layout.num_layers:
             raise PassDidNotApply(
@@ -76,12 +76,12 @@ class SubstituteGroupQueryAttention:
         attention_mask = user_input(program, "attention_mask")
         presents: dict[Node, Node] = {}  # a cache's concat -> the present of the marker that owns it
         rotary = None
-        if context.profile.attention_rotary:
-            limit = context.profile.max_buffer_size
+        if settings.profile.attention_rotary:
+            limit = settings.profile.max_buffer_size
             if limit is not None:  # counted at fp32, the caches' widest form
                 limit //= 4
             rotary = _RotaryCaches(program, layout.context_length, limit)
-        kernel = context.profile.attention_kernel
+        kernel = settings.profile.attention_kernel
         # (window, KV heads, head size, query heads per KV head) -> the slots its layers share
         window_slots: dict[tuple[int, int, int, int], tuple[Node, Node]] = {}
         position_ids = None  # read once, by the first window layer that rotates its queries
@@ -92,7 +92,7 @@ class SubstituteGroupQueryAttention:
                 continue
             # Where the EP's GroupQueryAttention would drop what this layer computes, it still writes
             # the cache (owners), but the attention itself reads the buffer's slots in the graph.
-            graph_window = _graph_window(core, window, kernel, context.profile.capped_context(layout.context_length))
+            graph_window = _graph_window(core, window, kernel, settings.profile.capped_context(layout.context_length))
             owner = key_cat not in presents
             heads = int(core.query.meta["val"].shape[1])
             kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])

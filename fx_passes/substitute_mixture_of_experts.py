@@ -26,7 +26,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from fx_passes import markers  # noqa: F401  (registers genai_exporter::mixture_of_experts)
-from fx_passes.base import PassContext
+from fx_passes.base import Settings
 from fx_passes.graph_facts import layer_index, probe_inputs
 
 _aten = torch.ops.aten
@@ -50,14 +50,14 @@ class _Block:
 class SubstituteMixtureOfExperts:
     name = "substitute_mixture_of_experts"
 
-    def applies(self, facts, session) -> str | None:
-        if not session.is_decoder or not facts.layout.experts_modules:
+    def applies(self, settings, session) -> str | None:
+        if not session.is_decoder or not settings.layout.experts_modules:
             return None
-        if facts.precision not in facts.profile.mixture_of_experts_precisions:
+        if settings.precision not in settings.profile.mixture_of_experts_precisions:
             return None
-        return f"{facts.profile.name} runs ONNX Runtime's MoE for SiLU-gated experts at {facts.precision}"
+        return f"{settings.profile.name} runs ONNX Runtime's MoE for SiLU-gated experts at {settings.precision}"
 
-    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict]:
+    def __call__(self, program: ExportedProgram, settings: Settings, session) -> tuple[ExportedProgram, dict]:
         graph = program.graph
         substituted, plain = [], {}
         for block in _experts_blocks(program):
@@ -81,7 +81,7 @@ class SubstituteMixtureOfExperts:
             graph.eliminate_dead_code()
             graph.lint()
             program.graph_module.recompile()
-        return program, {"experts_modules": context.layout.experts_modules,
+        return program, {"experts_modules": settings.layout.experts_modules,
                          "blocks": len(substituted) + len(plain), "substituted_layers": substituted,
                          "plain_blocks": plain}
 

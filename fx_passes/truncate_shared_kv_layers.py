@@ -23,7 +23,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from fx_passes.base import PassContext
+from fx_passes.base import Settings
 from fx_passes.gather_last_token import insert_last_token
 from fx_passes.graph_facts import (
     PassDidNotApply,
@@ -61,14 +61,14 @@ class TruncateSharedKvLayers:
             note += f"; the part of layer {first} that feeds no KV cache runs on it too"
         return note
 
-    def applies(self, facts, session) -> str | None:
-        shared = facts.layout.shared_layer_indices
-        if not session.is_decoder or facts.full_logits or not shared:
+    def applies(self, settings, session) -> str | None:
+        shared = settings.layout.shared_layer_indices
+        if not session.is_decoder or settings.full_logits or not shared:
             return None
         return f"layers {shared[0]}-{shared[-1]} read other layers' KV caches: prefill runs them on the last token"
 
-    def __call__(self, program: ExportedProgram, context: PassContext) -> tuple[ExportedProgram, dict[str, int]]:
-        layout = context.layout
+    def __call__(self, program: ExportedProgram, settings: Settings, session) -> tuple[ExportedProgram, dict[str, int]]:
+        layout = settings.layout
         graph = program.graph
         outputs = graph_outputs(program)
         feeds_present = ancestors(outputs[1:])
@@ -107,7 +107,7 @@ class TruncateSharedKvLayers:
                     f"{tuple(value.shape)} (needs one sequence axis after the batch axis)"
                 )
             first_reader = min(consumers, key=order.__getitem__)  # after in-place writes made before it
-            gathered = _insert_last_token_of(graph, producer, mask, batch_axes[0], axes[0], context, first_reader)
+            gathered = _insert_last_token_of(graph, producer, mask, batch_axes[0], axes[0], session.captured(settings), first_reader)
             for consumer in consumers:
                 consumer.replace_input_with(producer, gathered)
             gathers += 1
@@ -178,19 +178,19 @@ class TruncateSharedKvLayers:
         return rewritten
 
 
-def _insert_last_token_of(graph, tensor: Node, mask: Node, batch_axis: int, seq_axis: int, context,
+def _insert_last_token_of(graph, tensor: Node, mask: Node, batch_axis: int, seq_axis: int, captured: bool,
                           before: Node) -> Node:
     """``last_token`` of ``tensor`` right ``before`` its first reader in the region, whose batch
     axis may come after other axes (Gemma 3n's AltUp stack is [streams, batch, seq, hidden]):
     moved to the front for the gather and back after."""
     if batch_axis == 0:
-        return insert_last_token(graph, tensor, mask, seq_axis, context, before)
+        return insert_last_token(graph, tensor, mask, seq_axis, captured, before)
     rank = tensor.meta["val"].dim()
     order = [batch_axis, *(axis for axis in range(rank) if axis != batch_axis)]
     with graph.inserting_before(before):
         front = graph.call_function(torch.ops.aten.permute.default, (tensor, order))
     set_fake_value(front)
-    gathered = insert_last_token(graph, front, mask, order.index(seq_axis), context, before)
+    gathered = insert_last_token(graph, front, mask, order.index(seq_axis), captured, before)
     with graph.inserting_after(gathered):
         back = graph.call_function(torch.ops.aten.permute.default, (gathered, [order.index(a) for a in range(rank)]))
     set_fake_value(back)

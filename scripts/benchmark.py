@@ -206,8 +206,9 @@ def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
     from ep_profiles import get_profile
     from exporter.load.layout import derive_layout
     from exporter.plan import export_settings, make_plan
+    from exporter.sessions import SESSIONS
     from exporter.trace.decoder import make_inputs, trace
-    from fx_passes import FX_PASSES, PassContext, run_fx_passes
+    from fx_passes import FX_PASSES, run_fx_passes
 
     # CPU attention with a mask runs this kernel, which FlopCounterMode does not count by itself.
     @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
@@ -216,14 +217,14 @@ def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
 
     layout = derive_layout(model)
     program, _ = trace(model, layout)
-    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    settings = export_settings(get_profile("cpu"), layout, "fp32")
     flops: dict[str, dict[int, int]] = {"off": {}, "on": {}}
     for variant in ("off", "on"):
         if variant == "on":
             # Only the truncation passes: FlopCounterMode cannot count the attention marker's FLOPs.
             planned = make_plan(export_settings(get_profile("cpu"), layout, "fp32")).sessions[0].fx_passes
             extra = [p.name for p in planned if p.name in ("gather_last_token", "truncate_shared_kv_layers")]
-            program, _ = run_fx_passes(program, [FX_PASSES[n] for n in extra], context)
+            program, _ = run_fx_passes(program, [FX_PASSES[n] for n in extra], settings, SESSIONS["decoder"])
         for length in prompt_lengths:
             inputs = make_inputs(layout, 1, length, 0, generator=torch.Generator().manual_seed(0))
             with torch.no_grad(), FlopCounterMode(display=False) as counter:

@@ -1,9 +1,9 @@
 """The ONNX pass protocol, its record, and the loop that runs a planned list of passes.
 
-Every pass has one shape, like the FX passes: a ``name``, ``applies(facts, session)`` saying why it
-runs on that session of an export with these plan facts (or None), and ``__call__(model, facts,
+Every pass has one shape, like the FX passes: a ``name``, ``applies(settings, session)`` saying why it
+runs on that session of an export with these plan settings (or None), and ``__call__(model, settings,
 session)`` that rewrites that session's model in place and returns a small dict of counts for the
-report. A pass asks the plan facts about its session (``facts.quantized(session)``), never about the
+report. A pass asks the plan settings about its session (``settings.quantized(session)``), never about the
 export as a whole, because the sessions of one package differ (an int4 package's towers stay float).
 """
 
@@ -19,9 +19,9 @@ import onnx_ir as ir
 class OnnxPass(Protocol):
     name: str
 
-    def applies(self, facts: Any, session: Any) -> str | None: ...
+    def applies(self, settings: Any, session: Any) -> str | None: ...
 
-    def __call__(self, model: ir.Model, facts: Any, session: Any) -> dict[str, int]: ...
+    def __call__(self, model: ir.Model, settings: Any, session: Any) -> dict[str, int]: ...
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,12 @@ class OnnxPassRecord:
     seconds: float
 
 
-def run_onnx_passes(model: ir.Model, passes: list[OnnxPass], facts: Any, session: Any) -> list[OnnxPassRecord]:
+def run_onnx_passes(model: ir.Model, passes: list[OnnxPass], settings: Any, session: Any) -> list[OnnxPassRecord]:
     records = []
     for onnx_pass in passes:
         before = count_nodes(model)
         start = time.perf_counter()
-        changes = onnx_pass(model, facts, session)
+        changes = onnx_pass(model, settings, session)
         records.append(OnnxPassRecord(onnx_pass.name, dict(changes), before, count_nodes(model),
                                       time.perf_counter() - start))
     return records

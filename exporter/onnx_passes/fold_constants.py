@@ -50,16 +50,16 @@ class FoldConstants:
         self.after_fusions, self.towers = after_fusions, towers
         self.name = f"fold_{'tower_' if towers else ''}{'fusion_' if after_fusions else ''}constants"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         if session.is_encoder != self.towers:  # a tower runs once per image or clip
             return None
-        if self.after_fusions and not facts.profile.norm_fusions:
+        if self.after_fusions and not settings.profile.norm_fusions:
             return None
         why = ("the norm fusions cast scales to the input's dtype: constants to fold" if self.after_fusions else
                "torch.onnx leaves constant subgraphs (shapes, casts of constants)")
         return f"{why}; nodes that read weights run once per input, at run time" if self.towers else why
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         weight_nodes = fold_weight_nodes(model.graph)  # lazily: the folder would read the weights now
         run_in_place(fold_constants_pass(keep_weight_nodes=self.towers), model)
         if self.after_fusions:

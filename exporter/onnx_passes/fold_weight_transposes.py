@@ -22,18 +22,18 @@ class FoldWeightTransposes:
     ``scripts/benchmark.py --transposed-matmul``).
     Elsewhere ``Transpose(weight)`` becomes one transposed initializer, lazy (computed when
     written); a weight with other readers (a tied head) is then stored twice, except in a session
-    whose weights are block-quantized (``facts.quantized(session)``), whose quantizer stores a tied
+    whose weights are block-quantized (``settings.quantized(session)``), whose quantizer stores a tied
     table once and reads it through the Transpose (and quantizes MatMuls only, so it keeps MatMul).
     An int4 package's vision and speech towers stay float without ``--int4-encoders``: theirs are
     read transposed as a float package's are."""
 
     name = "fold_weight_transposes"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         return "MatMuls read their weights as stored instead of transposing them at every step"
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
-        quantizing = facts.quantized(session)
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
+        quantizing = settings.quantized(session)
         graph, folded, read_transposed, tied = model.graph, 0, 0, 0
         reshaped = 0
         for node in list(graph):  # in topological order: a Reshape/Transpose chain folds link by link
@@ -46,7 +46,7 @@ class FoldWeightTransposes:
             if source is None or not source.is_initializer() or source.const_value is None or source in graph.outputs:
                 continue
             shared = len(source.uses()) > 1
-            if not quantizing and facts.profile.transposed_matmul and _read_as_transposed(node, graph):
+            if not quantizing and settings.profile.transposed_matmul and _read_as_transposed(node, graph):
                 read_transposed += 1
                 tied += shared
                 continue

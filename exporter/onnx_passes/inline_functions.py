@@ -11,10 +11,10 @@ from exporter.onnx_passes.base import run_in_place
 class InlineFunctions:
     name = "inline_functions"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         return "later passes match nodes of one flat graph"
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         functions = len(model.functions)
         run_in_place(common.InlinePass(), model)
         return {"functions_inlined": functions - len(model.functions)}

@@ -131,14 +131,14 @@ class _Span:
 class MatmulKvSharedAttention:
     name = "matmul_kv_shared_attention"
 
-    def applies(self, facts, session) -> str | None:
-        if not (facts.profile.attention_kernel.reads_kv_head_per_query_head and facts.attention_op and session.is_decoder
-                and facts.layout.shared_layer_indices and not facts.full_logits):
+    def applies(self, settings, session) -> str | None:
+        if not (settings.profile.attention_kernel.reads_kv_head_per_query_head and settings.attention_op and session.is_decoder
+                and settings.layout.shared_layer_indices and not settings.full_logits):
             return None
-        return (f"{facts.profile.name}'s GroupQueryAttention reads a KV head once per query head; KV-shared layers "
+        return (f"{settings.profile.name}'s GroupQueryAttention reads a KV head once per query head; KV-shared layers "
                 "run on one query per row")
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         graph = model.graph
         make = _Builder(graph, self.name)
         spans: dict[tuple, _Span] = {}

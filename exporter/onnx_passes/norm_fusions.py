@@ -172,13 +172,13 @@ class _NormFusion:
 
     op_type: str
 
-    def applies(self, facts, session) -> str | None:
-        return f"{facts.profile.name} runs {self.op_type}" if self.op_type in facts.profile.norm_fusions else None
+    def applies(self, settings, session) -> str | None:
+        return f"{settings.profile.name} runs {self.op_type}" if self.op_type in settings.profile.norm_fusions else None
 
     def rules(self) -> list:
         raise NotImplementedError
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         before = count_nodes(model, self.op_type)
         run_in_place(RewritePass(self.rules()), model)
         run_in_place(common.RemoveUnusedNodesPass(), model)
@@ -196,8 +196,8 @@ class FuseRmsNorms(_NormFusion):
     def rules(self) -> list:
         return [PowNegativeHalfToRsqrt.rule(), *rms_normalization_rules, NormInInputDtype.rule()]
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
-        changes = super().__call__(model, facts, session)
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
+        changes = super().__call__(model, settings, session)
         # Only once the scaled norms are fused: each holds the unscaled pattern. The half-precision
         # form first: its float32 middle is the float32 form.
         before = count_nodes(model, self.op_type)

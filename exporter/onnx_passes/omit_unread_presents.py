@@ -37,14 +37,14 @@ def _reads_another_layers_cache(node: ir.Node) -> bool:
 class OmitUnreadPresents:
     name = "omit_unread_presents"
 
-    def applies(self, facts, session) -> str | None:
-        if not (facts.profile.attention_kernel.fills_requested_presents and facts.attention_op and session.is_decoder
-                and facts.layout.num_kv_shared_layers):
+    def applies(self, settings, session) -> str | None:
+        if not (settings.profile.attention_kernel.fills_requested_presents and settings.attention_op and session.is_decoder
+                and settings.layout.num_kv_shared_layers):
             return None
-        return (f"{facts.profile.name}'s GroupQueryAttention fills every present it is asked for and reads the past "
+        return (f"{settings.profile.name}'s GroupQueryAttention fills every present it is asked for and reads the past "
                 "in place when asked for none")
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         omitted = 0
         for node in list(model.graph.all_nodes()):
             if not _is_attention(node) or len(node.outputs) != 3:

@@ -20,13 +20,13 @@ FRAMES_DIM = "audio_frames"
 class PadAudioFrames:
     name = "pad_audio_frames"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         if not session.traced_frame_multiple:
             return None
         return (f"the {session.name} session was traced for frame counts divisible by "
                 f"{session.traced_frame_multiple}; GenAI feeds any count")
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         graph = model.graph
         features, mask = graph.inputs[0], graph.inputs[1]
         if (features.name, mask.name) != ("input_features", "input_features_mask"):

@@ -181,18 +181,18 @@ class QuantizeWeights:
 
     name = "quantize_weights"
 
-    def applies(self, facts, session) -> str | None:
-        if not facts.quantized(session):
+    def applies(self, settings, session) -> str | None:
+        if not settings.quantized(session):
             return None
-        options, bits = facts.int4, facts.weight_bits
+        options, bits = settings.int4, settings.weight_bits
         if bits == 8:
             return f"8-bit weights (rtn): block size {options.block_size}, symmetric, accuracy level {options.accuracy_level}"
         eight = f"; 8-bit {', '.join(options.eight_bit)}" if options.eight_bit else ""
         return (f"4-bit weights ({options.method}): block size {options.block_size}, "
                 f"{'asymmetric' if options.zero_points else 'symmetric'}, accuracy level {options.accuracy_level}{eight}")
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
-        quantizer = _Quantizer(facts.int4, facts.weight_bits, facts.layout.num_layers, facts.profile.max_buffer_size)
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
+        quantizer = _Quantizer(settings.int4, settings.weight_bits, settings.layout.num_layers, settings.profile.max_buffer_size)
         quantizer.run(model)
         if not quantizer.matmuls and not quantizer.gathers:
             raise ExporterError("weight quantization found no MatMul with a constant weight and no embedding table to quantize")

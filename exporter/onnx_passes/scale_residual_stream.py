@@ -138,16 +138,16 @@ def _final_norm(graph: ir.Graph, norms: list[ir.Node]) -> ir.Node:
 class ScaleResidualStream:
     name = "scale_residual_stream"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         import torch
 
-        if not session.is_decoder or facts.compute_dtype != torch.float16:
+        if not session.is_decoder or settings.compute_dtype != torch.float16:
             return None
         return ("fp16 activations: the residual stream scaled by the power of two that keeps its float32 peak, "
                 "measured at export, inside fp16's range (none where it fits)")
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
-        exponent = facts.residual_exponent
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
+        exponent = settings.residual_exponent
         if exponent == 0:
             return {"exponent": 0}
         changes = _Scaling(model.graph, exponent).run()

@@ -49,12 +49,12 @@ def _target(node: ir.Node) -> list[int] | None:
 class StaticReshapeTargets:
     name = "static_reshape_targets"
 
-    def applies(self, facts, session) -> str | None:
-        if not session.captured(facts):
+    def applies(self, settings, session) -> str | None:
+        if not session.captured(settings):
             return None
         return "a captured graph runs no shape arithmetic on the CPU"
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         rewritten = 0
         for node in model.graph.all_nodes():
             if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or _constant(node.inputs[1]) is not None:

@@ -62,10 +62,10 @@ _FULL_RANGE_SLICES_TO_IDENTITIES = RewriteRuleSet([collapse_slice_rule])
 class Tidy:
     name = "tidy"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         return "lowering and folding leave dead nodes, duplicates and provenance metadata"
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         for ir_pass in _before_slices():
             run_in_place(ir_pass, model)
         # Counted by the rule itself, so the count is the Slices it matched, not others CSE merges.

@@ -26,14 +26,14 @@ _WIDENED = frozenset({ir.DataType.BFLOAT16})
 class WidenUnsupportedDtypes:
     name = "widen_unsupported_dtypes"
 
-    def applies(self, facts, session) -> str | None:
+    def applies(self, settings, session) -> str | None:
         # fp16 exports meet no such gap today; the post-conditions refuse any graph that does.
-        if facts.compute_dtype == torch.bfloat16:
+        if settings.compute_dtype == torch.bfloat16:
             return ("ONNX schemas at opset 21 lack bfloat16 for some ops (Conv, Softplus, TopK): "
                     "those compute in float32")
         return None
 
-    def __call__(self, model: ir.Model, facts, session) -> dict[str, int]:
+    def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         widened = [r for r in dtype_refusals(model) if _widens(r)]
         casts: dict[tuple[int, ir.Value], ir.Value] = {}  # (graph, value): cast once per graph that reads it
         names = {v.name for g in model.graphs() for v in (*g.inputs, *g.initializers.values())}

@@ -96,7 +96,7 @@ def _lowered(module: torch.nn.Module, one_query: bool = True) -> ir.Model:
     program = torch.export.export(module, sample, dynamic_shapes=(
         query_dims, query_dims, query_dims, {0: batch, 2: slots}, {0: batch, 2: slots}, {0: batch, 1: total}))
     model, _ = lower(program, sample, list(INPUTS), OUTPUTS)
-    Tidy()(model, facts=None, session=None)  # as the pipeline runs it first: one mask count for every call
+    Tidy()(model, settings=None, session=None)  # as the pipeline runs it first: one mask count for every call
     return model
 
 
@@ -122,7 +122,7 @@ def sessions(tmp_path_factory):
                     if node.op_type == "GroupQueryAttention":
                         node.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", 1)
             if rewritten:
-                assert MatmulKvSharedAttention()(model, facts=None, session=None) == {"layers": 2}
+                assert MatmulKvSharedAttention()(model, settings=None, session=None) == {"layers": 2}
                 # Only the owner's GroupQueryAttention is left; both readers share one span and
                 # one Slice of each cache.
                 assert (_count(model, "GroupQueryAttention"), _count(model, "Range"), _cache_slices(model)) == (1, 1, 2)
@@ -177,7 +177,7 @@ def test_several_queries_per_row_fail():
     pass out; a KV-shared call it meets on several queries means the truncation did not cut it."""
     model = _lowered(OwnerAndSharedLayers(-1, False), one_query=False)
     with pytest.raises(RuntimeError, match="is not a float32 call on one query per row"):
-        MatmulKvSharedAttention()(model, facts=None, session=None)
+        MatmulKvSharedAttention()(model, settings=None, session=None)
 
 
 @pytest.mark.l3
@@ -196,7 +196,7 @@ def test_a_kv_shared_call_whose_present_is_read_fails():
 
     model = _lowered(SharedPresentRead(-1, False))
     with pytest.raises(RuntimeError, match="with unread presents"):
-        MatmulKvSharedAttention()(model, facts=None, session=None)
+        MatmulKvSharedAttention()(model, settings=None, session=None)
 
 
 @pytest.mark.l1

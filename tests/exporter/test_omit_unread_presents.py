@@ -116,7 +116,7 @@ def sessions(tmp_path_factory):
         for omitted in (False, True):
             model = _lowered(SharedLayerAttention(window, rotary), ["output"])
             if omitted:
-                assert OmitUnreadPresents()(model, facts=None, session=None) == {"presents_omitted": 1}
+                assert OmitUnreadPresents()(model, settings=None, session=None) == {"presents_omitted": 1}
             assert _attention_outputs(model) == [1 if omitted else 3]
             path = folder / f"{len(made)}.onnx"
             ir.save(model, path)
@@ -150,7 +150,7 @@ def test_shared_layer_without_presents_reads_its_past(sessions, case, variant):
                          ids=["graph outputs", "read by a node"])
 def test_a_read_present_is_kept(module, outputs):
     model = _lowered(module, outputs)
-    assert OmitUnreadPresents()(model, facts=None, session=None) == {"presents_omitted": 0}
+    assert OmitUnreadPresents()(model, settings=None, session=None) == {"presents_omitted": 0}
     assert _attention_outputs(model) == [3]
 
 
@@ -171,7 +171,7 @@ def test_a_kv_shared_call_whose_present_is_read_fails():
 
     model = _lowered(SharedAfterOwner(), ["output", "present_key", "present_value", "key_sums"])
     with pytest.raises(RuntimeError, match="KV-shared GroupQueryAttention .* has its present read"):
-        OmitUnreadPresents()(model, facts=None, session=None)
+        OmitUnreadPresents()(model, settings=None, session=None)
 
 
 @pytest.mark.l1

@@ -56,7 +56,7 @@ def test_targets_become_constants_with_the_same_results(target, output, constant
     model = _model(target, output)
     want = _run(model, x)
     assert cpu_placed_nodes(model)  # Shape, Slice, Concat compute the target
-    StaticReshapeTargets()(model, facts=None, session=None)
+    StaticReshapeTargets()(model, settings=None, session=None)
     reshape = next(n for n in model.graph if n.op_type == "Reshape")
     assert ir.convenience.get_const_tensor(reshape.inputs[1]).numpy().tolist() == constant
     onnx.checker.check_model(ir.to_proto(model))
@@ -68,7 +68,7 @@ def test_targets_become_constants_with_the_same_results(target, output, constant
 @pytest.mark.l1
 def test_a_target_with_two_unknown_entries_is_left_and_reported():
     model = _model(["S", "B", 32], ["S", "B", 32])  # both dynamic dims move: two entries to infer
-    StaticReshapeTargets()(model, facts=None, session=None)
+    StaticReshapeTargets()(model, settings=None, session=None)
     reshape = next(n for n in model.graph if n.op_type == "Reshape")
     assert ir.convenience.get_const_tensor(reshape.inputs[1]) is None
     assert {n.op_type for n in cpu_placed_nodes(model)} == {"Shape", "Slice", "Concat"}

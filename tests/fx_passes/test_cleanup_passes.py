@@ -9,7 +9,8 @@ from ep_profiles import get_profile
 from exporter.load.layout import derive_layout
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
-from fx_passes import FX_PASSES, PassContext, run_fx_passes
+from fx_passes import FX_PASSES, run_fx_passes
+from helpers.plan_settings import DECODER, pass_settings
 
 ASSERT = torch.ops.aten._assert_tensor_metadata.default
 CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.type_as.default)
@@ -51,9 +52,9 @@ def test_cleanup_passes_keep_semantics(traced_tiny_gemma4):
     asserts, noop_casts, casts = _count(program, (ASSERT,)), _noop_casts(program), _count(program, CASTS)
     assert asserts > 0 and noop_casts > 0 and casts > noop_casts  # int64 -> float casts must stay
 
-    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    settings = pass_settings(get_profile("cpu"), layout)
     passes = [FX_PASSES["drop_runtime_asserts"], FX_PASSES["drop_noop_casts"]]
-    program, records = run_fx_passes(program, passes, context)
+    program, records = run_fx_passes(program, passes, settings, DECODER)
 
     assert records[0].changes == {"asserts_erased": asserts}
     assert records[1].changes == {"casts_erased": noop_casts}

@@ -13,7 +13,8 @@ from ep_profiles import get_profile
 from exporter.load.layout import derive_layout
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
-from fx_passes import FX_PASSES, PassContext, run_fx_passes
+from fx_passes import FX_PASSES, run_fx_passes
+from helpers.plan_settings import DECODER, pass_settings
 from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.mask_probe import causal_window, decode_step_agrees
 
@@ -76,8 +77,8 @@ def _substituted(name, passes=PASSES, attention_rotary=True, profile=None):
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
     profile = profile or dataclasses.replace(get_profile("cpu"), attention_rotary=attention_rotary)
-    context = PassContext(profile=profile, layout=layout)
-    program, records = run_fx_passes(program, [FX_PASSES[n] for n in passes], context)
+    settings = pass_settings(profile, layout)
+    program, records = run_fx_passes(program, [FX_PASSES[n] for n in passes], settings, DECODER)
     return layout, program, cases, before, records[-1].changes
 
 
@@ -213,9 +214,9 @@ def test_substitution_refuses_attention_it_cannot_express():
     with program.graph.inserting_after(tanh):
         bias = program.graph.call_function(torch.ops.aten.sub.Tensor, (tanh, tanh))
     tanh.replace_all_uses_with(bias, delete_user_cb=lambda user: user is not bias)
-    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    settings = pass_settings(get_profile("cpu"), layout)
     with pytest.raises(PassDidNotApply, match="attention scores pass through aten.sub.Tensor"):
-        FX_PASSES["substitute_group_query_attention"](program, context)
+        FX_PASSES["substitute_group_query_attention"](program, settings, DECODER)
 
 
 @pytest.mark.l1
@@ -228,8 +229,8 @@ def test_rotary_stays_outside_attention_for_head_sizes_ort_cannot_rotate():
     model = transformers.LlamaForCausalLM(config).eval()
     layout = derive_layout(model)
     program, _ = trace(model, layout)
-    context = PassContext(profile=get_profile("cpu"), layout=layout)
-    program, records = run_fx_passes(program, [FX_PASSES[n] for n in PASSES], context)
+    settings = pass_settings(get_profile("cpu"), layout)
+    program, records = run_fx_passes(program, [FX_PASSES[n] for n in PASSES], settings, DECODER)
     assert records[-1].changes["layers"] == 2
     assert records[-1].changes["rotary_in_attention_layers"] == 0
 

@@ -11,7 +11,8 @@ from exporter.load.layout import derive_layout
 from exporter.plan import export_settings, make_plan
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import GenAIDecoder, make_inputs, trace
-from fx_passes import FX_PASSES, PassContext, run_fx_passes
+from fx_passes import FX_PASSES, run_fx_passes
+from helpers.plan_settings import DECODER, pass_settings
 from fx_passes.graph_facts import PassDidNotApply
 
 LAST_TOKEN = torch.ops.genai_exporter.last_token.default
@@ -74,9 +75,9 @@ def _check_semantics(name, tolerance=TOLERANCE, graph_capture=False):
         cases += [_numbered_as_genai(inputs) for inputs in cases]
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
-    context = PassContext(profile=get_profile("cpu"), layout=layout, graph_capture=graph_capture)
+    settings = pass_settings(get_profile("cpu"), layout, graph_capture=graph_capture)
     program, records = run_fx_passes(
-        program, [FX_PASSES[n] for n in _planned_fx_passes(layout)], context
+        program, [FX_PASSES[n] for n in _planned_fx_passes(layout)], settings, DECODER
     )
     gathers = [node for node in program.graph.nodes if node.target is LAST_TOKEN]
     assert gathers and all((node.args[3] is not None) == graph_capture for node in gathers)
@@ -129,9 +130,9 @@ def test_truncation_that_cannot_act_is_an_error():
     """A layout that declares KV sharing the graph does not have must fail, naming what it saw."""
     _, layout, program = _traced("tiny-llama")
     claimed = type(layout)(**{**layout.__dict__, "kv_layers": layout.kv_layers[:2], "num_kv_shared_layers": 2})
-    context = PassContext(profile=get_profile("cpu"), layout=claimed)
+    settings = pass_settings(get_profile("cpu"), claimed)
     with pytest.raises(PassDidNotApply, match=r"layers \[2, 3\] also feed present KV outputs"):
-        FX_PASSES["truncate_shared_kv_layers"](program, context)
+        FX_PASSES["truncate_shared_kv_layers"](program, settings, DECODER)
 
 
 @pytest.mark.l1

@@ -11,7 +11,8 @@ from ep_profiles import get_profile
 from exporter.load.layout import derive_layout
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
-from fx_passes.base import PassContext, run_fx_passes
+from fx_passes.base import run_fx_passes
+from helpers.plan_settings import DECODER, pass_settings
 from fx_passes.registry import FX_PASSES
 
 MOE = torch.ops.genai_exporter.mixture_of_experts.default
@@ -26,9 +27,9 @@ def _substituted(name: str):
              make_inputs(layout, 2, 6, 0, generator=generator, right_padding=(0, 2))]
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
-    context = PassContext(profile=get_profile("cpu"), layout=layout)
+    settings = pass_settings(get_profile("cpu"), layout)
     passes = [FX_PASSES[n] for n in ("drop_runtime_asserts", "drop_noop_casts", "substitute_mixture_of_experts")]
-    program, records = run_fx_passes(program, passes, context)
+    program, records = run_fx_passes(program, passes, settings, DECODER)
     return layout, program, cases, before, records[-1].changes
 
 

@@ -17,7 +17,8 @@ from exporter.verify.check import check_package
 from exporter.load.layout import derive_layout
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
-from fx_passes import FX_PASSES, PassContext, run_fx_passes
+from fx_passes import FX_PASSES, run_fx_passes
+from helpers.plan_settings import DECODER, pass_settings
 from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.split_oversized_weights import piece_bounds
 
@@ -43,8 +44,8 @@ def test_split_keeps_results_exactly():
     cases = [make_inputs(layout, 2, 5, 3, generator=generator), make_inputs(layout, 1, 1, 9, generator=generator)]
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
-    context = PassContext(profile=PROFILE, layout=layout, precision="fp32", weight_bytes=4)
-    program, records = run_fx_passes(program, [FX_PASSES["split_oversized_weights"]], context)
+    settings = pass_settings(PROFILE, layout)
+    program, records = run_fx_passes(program, [FX_PASSES["split_oversized_weights"]], settings, DECODER)
     # tied embedding / LM head (one parameter, two uses) and the per-layer table
     assert records[0].changes == {"weights_split": 2, "pieces": 2 + 2 + 5}
     assert max(t.numel() * 4 for t in program.state_dict.values()) <= LIMIT
