@@ -14,14 +14,14 @@ from pathlib import Path
 
 from ep_profiles import PROFILES, get_profile
 from ep_profiles.registry import UnknownProfileError
-from exporter.errors import ExporterError, environment_error
 from exporter.cache import replay
 from exporter.cache.cache_folder import chosen_folder
+from exporter.errors import ExporterError, environment_error
 from exporter.int4_options import INT4_METHODS, Int4Options
-from exporter.package.files import REPORT_FILENAME
-from exporter.precisions import PRECISIONS, choose_precision, int4_options
 from exporter.load.preset_names import DEFAULT_PRESET, PRESET_NAMES
+from exporter.package.files import REPORT_FILENAME
 from exporter.package.report import describe_graph_cache, package_summary
+from exporter.precisions import PRECISIONS, choose_precision, int4_options
 
 # The command line imports torch and transformers only once it exports something, so that a
 # replayed export (``exporter.cache.replay``) never does.
@@ -158,10 +158,10 @@ def _plan(argv: list[str]) -> int:
     """Print the export plan: per session, the FX and ONNX passes in order and why each runs."""
     import json
 
-    from exporter.plan import export_settings, make_plan
-    from exporter.precisions import PRECISIONS as POLICIES
     from exporter.load.prepare import prepare
     from exporter.load.sources import LoadOptions, load
+    from exporter.plan import export_settings, make_plan
+    from exporter.precisions import PRECISIONS as POLICIES
 
     parser = argparse.ArgumentParser(prog=f"{program()} plan",
                                      description="Print the passes an export would run, without exporting.")
@@ -187,10 +187,10 @@ def _plan(argv: list[str]) -> int:
         settings = export_settings(profile, layout, precision, graph_capture=args.graph_capture,
                                    full_logits=args.full_logits, int4=int4_options(profile, precision, None),
                                    multimodal=loaded.multimodal, int4_encoders=args.int4_encoders)
+        plan = make_plan(settings)
     except (ExporterError, UnknownProfileError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    plan = make_plan(settings)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.to_text())
     return 0
 

@@ -19,38 +19,30 @@ import torch
 
 from ep_profiles import EpProfile, get_profile
 from ep_profiles.registry import UnknownProfileError
-from exporter.load import activation_ranges
-from exporter.package import destination, files as package
 from exporter.cache import graph_cache
-from exporter.verify import postconditions
-from exporter.trace import translation_ready
-from exporter.weights import streamed as weights
 from exporter.errors import ExporterBug, ExporterError, environment_error
-from exporter.package.genai_config import (
-    FALLBACK_DECODER_TYPE,
-    build_genai_config,
-    chosen_context_length,
-    genai_model_type,
-)
-from exporter.load.layout import DecoderLayout
-from exporter.lower.torch_onnx import lower
-from exporter.onnx_passes import ONNX_PASSES, run_onnx_passes
-from exporter.onnx_passes.norm_fusions import FusionDidNotApply
 from exporter.int4_options import Int4Options
+from exporter.load import activation_ranges
+from exporter.load.layout import DecoderLayout
+from exporter.load.prepare import prepare
+from exporter.load.sources import LoadOptions, load
+from exporter.lower.torch_onnx import lower
+from exporter.onnx_passes import ONNX_PASSES, FusionDidNotApply, run_onnx_passes
+from exporter.package import destination
+from exporter.package import files as package
+from exporter.package.genai_config import FALLBACK_DECODER_TYPE, build_genai_config, genai_model_type
+from exporter.package.report import ExportReport, SessionReport, package_summary
 from exporter.plan import ExportPlan, ExportSettings, export_settings, make_plan
 from exporter.precisions import PRECISIONS, choose_precision, int4_options
-from exporter.load.prepare import prepare
-from exporter.verify.sample_prefill import run_sample_prefill
 from exporter.progress import ProgressDisplay
-from exporter.package.report import ExportReport, SessionReport, package_summary
 from exporter.sessions import SESSIONS
-from exporter.load.sources import LoadOptions, load
 from exporter.stages import StageLog, StageRecord
+from exporter.trace import translation_ready
 from exporter.trace.decoder import REPLICATED_LAYERS
-from fx_passes import FX_PASSES, run_fx_passes
-from fx_passes.graph_facts import PassDidNotApply
-from fx_passes.markers import FLOAT32_COUNT_LIMIT
-from fx_passes.substitute_group_query_attention import describe_plain_layers
+from exporter.verify import postconditions
+from exporter.verify.sample_prefill import run_sample_prefill
+from exporter.weights import streamed as weights
+from fx_passes import FX_PASSES, PassDidNotApply, run_fx_passes
 
 
 @dataclass(frozen=True)
@@ -171,22 +163,17 @@ def export(
         compute_dtype = PRECISIONS[precision].compute_dtype(profile)
         prepared = prepare(loaded, compute_dtype)
     ranges = prepared.activation_ranges
-    profile = _with_max_length(profile, max_length, prepared.layout)
     settings = export_settings(profile, prepared.layout, precision, graph_capture=graph_capture,
                                full_logits=full_logits, int4=int4, multimodal=loaded.multimodal,
                                int4_encoders=int4_encoders,
-                               residual_exponent=activation_ranges.exponent_of(ranges))
+                               residual_exponent=activation_ranges.exponent_of(ranges), max_length=max_length)
     plan = make_plan(settings)
     tokenizer_bytes = _tokenizer_bytes(loaded.tokenizer)
     destination.require_space(target, _fewest_weight_bytes(prepared, settings, plan) + tokenizer_bytes)
     report = _new_report(loaded, settings, plan)
     if ranges is not None:
         report.activation_ranges = activation_ranges.report_of(ranges)
-    length = chosen_context_length(settings.layout, profile)
-    if _counts_in_float32(settings) and length > FLOAT32_COUNT_LIMIT:
-        raise ExporterError(f"max_length {length} is over what this {settings.profile.name} decoder counts exactly "
-                            f"({FLOAT32_COUNT_LIMIT} tokens, in float32 on the device): choose --max-length "
-                            f"{FLOAT32_COUNT_LIMIT} or less (API: max_length=)")
+    length = settings.context_length
     report.kv_cache = {"max_length": length, "element_bytes": compute_dtype.itemsize,
                        "bytes": settings.layout.kv_cache_bytes(length, compute_dtype.itemsize)}
 
@@ -265,8 +252,7 @@ def _write_package(staging: Path, models, loaded, settings: ExportSettings, repo
             sections[name] = session.genai_section(settings, [v.name for v in onnx_model.graph.inputs])
             for filename, values in session.extra_files(settings).items():
                 package.save_json(values, staging / filename)
-        genai_config = build_genai_config(settings.layout, settings.profile, loaded.generation_config, sections,
-                                          settings.share_kv_buffer, settings.multimodal)
+        genai_config = build_genai_config(settings, loaded.generation_config, sections)
         package.save_json(genai_config, staging / package.GENAI_CONFIG_FILENAME)
         package.save_tokenizer(loaded.tokenizer, staging)
     if settings.compute_dtype == torch.float16:
@@ -336,7 +322,7 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
                 _write_to_cache(cached_graphs, session.name, lowered, report)
     session_report.fx_passes = lowered.fx_passes
     report.notes += _fx_pass_notes(session_plan, lowered.fx_passes)
-    settings = _with_plain_attention_layers(settings, session, lowered.fx_passes)
+    settings = _with_findings(settings, session, session_plan, lowered.fx_passes)
     with stages.stage(_stage("onnx_passes", session, settings)):
         readers = weights.attach(onnx_model, prepared.weight_source, lowered.recipes)
         _run_onnx_passes(onnx_model, session, session_plan, settings, session_report)
@@ -358,7 +344,7 @@ def _lower_session(session, session_plan, prepared, settings: ExportSettings, st
         translation_ready.record_traced_values(traced.program)
     with stages.stage(_stage("fx_passes", session, settings)):
         program, fx_records = _run_fx_passes(traced.program, session_plan, settings, session)
-        _with_plain_attention_layers(settings, session, fx_records)  # a captured export stops here, not after lowering
+        _with_findings(settings, session, session_plan, fx_records)  # a refused export stops here, not after lowering
     with stages.stage(_stage("lower", session, settings)):
         onnx_model, decomposed_because = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
                                                    session.input_names(settings), session.output_names(settings))
@@ -415,44 +401,18 @@ def _write_to_cache(cached_graphs: tuple[graph_cache.GraphCache, dict], session:
         entry.prune()
 
 
-def _with_plain_attention_layers(settings: ExportSettings, session, fx_records: list[dict]) -> ExportSettings:
-    """The decoder layers GroupQueryAttention could not take (from its FX pass record): past and
-    present KV become separate buffers, which ONNX Runtime GenAI cannot capture, so a captured
-    export stops here."""
-    record = next((r for r in fx_records if r["name"] == "substitute_group_query_attention"), None)
-    plain = (record or {}).get("changes", {}).get("plain_layers") or {}
-    if not session.is_decoder or not plain:
-        return settings
-    if session.captured(settings):
-        raise ExporterError(
-            f"EP '{settings.profile.name}' captures the decoder's graph, which needs GroupQueryAttention in every "
-            f"layer, and {len(plain)} cannot have it ({describe_plain_layers(plain)}); export with "
-            "--no-graph-capture (API: graph_capture=False)")
-    return dataclasses.replace(settings, plain_attention_layers=tuple(sorted(plain)))
+def _with_findings(settings: ExportSettings, session, session_plan, fx_records: list[dict]) -> ExportSettings:
+    """The settings with what the session's FX passes found (each pass's ``findings``)."""
+    passes = [FX_PASSES[p.name] for p in session_plan.fx_passes]
+    for fx_pass, record in zip(passes, fx_records, strict=True):
+        if (find := getattr(fx_pass, "findings", None)) and (found := find(record["changes"])):
+            settings = settings.with_findings(session, **found)
+    return settings
 
 
 def _stage(step: str, session, settings: ExportSettings) -> str:
     """A step's stage name: the step itself in a one-session package, ``step:session`` otherwise."""
     return f"{step}:{session.name}" if settings.multimodal else step
-
-
-def _counts_in_float32(settings: ExportSettings) -> bool:
-    """Whether the decoder counts tokens or compares position ids in float32 on the device: the
-    captured last-token choice, and attention over explicit slots (sliding layers, soft-capped
-    layers, where the kernel drops the window or the softcap)."""
-    kernel, layout = settings.profile.attention_kernel, settings.layout
-    in_graph = ((not kernel.window_in_every_call and layout.sliding_window is not None)
-                or (not kernel.softcap and layout.attention_softcap is not None) or kernel.exact_query_rows is not None)
-    return settings.graph_capture or in_graph
-
-
-def _with_max_length(profile: EpProfile, max_length: int | None, layout: DecoderLayout) -> EpProfile:
-    if max_length is None:
-        return profile
-    if max_length > layout.context_length:
-        raise ExporterError(f"max_length {max_length} is over the model's context length ({layout.context_length}, "
-                            f"its max_position_embeddings); choose at most {layout.context_length}")
-    return dataclasses.replace(profile, max_length=max_length)
 
 
 def _profile(ep: str | EpProfile) -> EpProfile:
@@ -465,14 +425,7 @@ def _profile(ep: str | EpProfile) -> EpProfile:
 def _new_report(loaded, settings: ExportSettings, plan: ExportPlan) -> ExportReport:
     layout = settings.layout
     report = ExportReport(source=loaded.source, ep=settings.profile.name, precision=settings.precision,
-                          layout=dataclasses.asdict(layout), plan=plan.to_dict(), notes=list(loaded.notes))
-    decoder_passes = {p.name for session in plan.sessions if session.name == "decoder" for p in session.fx_passes}
-    if layout.experts_modules and "substitute_mixture_of_experts" not in decoder_passes:
-        report.notes.append(
-            f"{layout.experts_modules} experts modules stay as traced: {settings.profile.name} at {settings.precision} "
-            "has no MoE op in this exporter; where a router picks experts, each routed token gathers its experts' "
-            "whole weight matrices (prefill memory and time grow with prompt length x experts per token x expert "
-            "size)")
+                          layout=dataclasses.asdict(layout), plan=plan.to_dict(), notes=[*loaded.notes, *plan.notes])
     if genai_model_type(layout) != layout.model_type:
         report.notes.append(f"ONNX Runtime GenAI does not list model type '{layout.model_type}'; "
                             f"genai_config names it '{FALLBACK_DECODER_TYPE}' (same decoder I/O)")

@@ -9,19 +9,23 @@ the attention op at this precision), so no stage rewrites the profile.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ep_profiles import EpProfile
+from exporter.errors import ExporterError
+from exporter.int4_options import Int4Options
 from exporter.load.layout import DecoderLayout
 from exporter.load.multimodal import MultimodalFacts
 from exporter.onnx_passes import ONNX_PASSES
-from exporter.int4_options import Int4Options
 from exporter.precisions import PRECISIONS
 from exporter.sessions import SESSIONS
 from fx_passes import FX_PASSES
+from fx_passes.markers import FLOAT32_COUNT_LIMIT
+from fx_passes.substitute_group_query_attention import describe_plain_layers
 
 
 @dataclass(frozen=True)
@@ -38,14 +42,25 @@ class ExportSettings:
     int4: Int4Options | None
     multimodal: MultimodalFacts | None = None  # None: a text package (the decoder alone)
     int4_encoders: bool = False  # int4 quantizes the vision and speech towers too
-    # Decoder layers GroupQueryAttention could not take (found by its FX pass; set by
-    # ``pipeline._with_plain_attention_layers`` after the decoder's FX passes):
-    # their attention stays transformers', and past and present KV are then separate buffers.
+    # Decoder layers GroupQueryAttention could not take (found by its FX pass, taken in by
+    # ``with_findings`` after the decoder's FX passes): their attention stays transformers', and
+    # past and present KV are then separate buffers.
     plain_attention_layers: tuple[int, ...] = ()
     # k in the decoder's residual-stream scale 2**-k at fp16 activations, from the float32 peaks
     # measured at export time (``exporter.load.activation_ranges``); 0: no scaling. Depends on the
     # weights, so the graph cache's key leaves it out (it acts after the cached graphs).
     residual_exponent: int = 0
+    # The caller's cap on the context (--max-length, API max_length=); None: the profile's default.
+    max_length: int | None = None
+
+    @property
+    def context_length(self) -> int:
+        """The positions the package allocates and generates to (genai_config's context_length and
+        search.max_length): the model's own, capped by the caller's max_length, else by the
+        profile's default cap."""
+        if self.max_length is None:
+            return self.profile.capped_context(self.layout.context_length)
+        return min(self.layout.context_length, self.max_length)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -71,6 +86,20 @@ class ExportSettings:
             return self.compute_dtype.itemsize
         return self.weight_bytes
 
+    def with_findings(self, session, plain_attention_layers: dict[int, str] | None = None) -> ExportSettings:
+        """These settings with what ``session``'s FX passes found (their ``findings``): the decoder
+        layers left with transformers' attention, ``{layer: why}``. Their past and present KV are
+        separate buffers, which ONNX Runtime GenAI cannot capture: a captured decoder is refused."""
+        if not session.is_decoder or not plain_attention_layers:
+            return self
+        if session.captured(self):
+            raise ExporterError(
+                f"EP '{self.profile.name}' captures the decoder's graph, which needs GroupQueryAttention in every "
+                f"layer, and {len(plain_attention_layers)} cannot have it "
+                f"({describe_plain_layers(plain_attention_layers)}); export with --no-graph-capture "
+                "(API: graph_capture=False)")
+        return dataclasses.replace(self, plain_attention_layers=tuple(sorted(plain_attention_layers)))
+
     @property
     def share_kv_buffer(self) -> bool:
         """Whether the package asks for one KV buffer for past and present (the export then checks
@@ -95,6 +124,7 @@ class SessionPlan:
 class ExportPlan:
     settings: ExportSettings
     sessions: tuple[SessionPlan, ...]
+    notes: tuple[str, ...] = ()  # what passes say where they are not planned (``unplanned_note``)
 
     def to_dict(self) -> dict[str, Any]:
         settings = self.settings
@@ -133,7 +163,10 @@ class ExportPlan:
 def export_settings(profile: EpProfile, layout: DecoderLayout, precision: str, *, graph_capture: bool = True,
                     full_logits: bool = False, int4: Int4Options | None = None,
                     multimodal: MultimodalFacts | None = None, int4_encoders: bool = False,
-                    residual_exponent: int = 0) -> ExportSettings:
+                    residual_exponent: int = 0, max_length: int | None = None) -> ExportSettings:
+    if max_length is not None and max_length > layout.context_length:
+        raise ExporterError(f"max_length {max_length} is over the model's context length ({layout.context_length}, "
+                            f"its max_position_embeddings); choose at most {layout.context_length}")
     return ExportSettings(
         profile=profile,
         layout=layout,
@@ -145,14 +178,40 @@ def export_settings(profile: EpProfile, layout: DecoderLayout, precision: str, *
         multimodal=multimodal,
         int4_encoders=int4_encoders,
         residual_exponent=residual_exponent,
+        max_length=max_length,
     )
 
 
 def make_plan(settings: ExportSettings) -> ExportPlan:
+    """The plan of an export with these settings; refuses a context the decoder cannot count."""
     def planned(registry, session) -> tuple[PlannedPass, ...]:
         return tuple(PlannedPass(p.name, why) for p in registry.values() if (why := p.applies(settings, session)))
 
-    return ExportPlan(settings, tuple(
-        SessionPlan(name, planned(FX_PASSES, session), planned(ONNX_PASSES, session))
-        for name, session in SESSIONS.items() if session.applies(settings)
-    ))
+    sessions = {name: session for name, session in SESSIONS.items() if session.applies(settings)}
+    if any(s.is_decoder for s in sessions.values()):
+        _refuse_uncountable_context(settings)
+    plans = tuple(SessionPlan(name, planned(FX_PASSES, session), planned(ONNX_PASSES, session))
+                  for name, session in sessions.items())
+    notes = tuple(note for plan, session in zip(plans, sessions.values(), strict=True)
+                  for p in (*FX_PASSES.values(), *ONNX_PASSES.values())
+                  if p.name not in {q.name for q in (*plan.fx_passes, *plan.onnx_passes)}
+                  and (unplanned := getattr(p, "unplanned_note", None)) and (note := unplanned(settings, session)))
+    return ExportPlan(settings, plans, notes)
+
+
+def counts_positions_in_float32(settings: ExportSettings) -> bool:
+    """Whether the decoder counts tokens or compares position ids in float32 on the device: the
+    captured last-token choice, and attention over explicit slots (sliding layers, soft-capped
+    layers, where the kernel drops the window or the softcap)."""
+    kernel, layout = settings.profile.attention_kernel, settings.layout
+    in_graph = ((not kernel.window_in_every_call and layout.sliding_window is not None)
+                or (not kernel.softcap and layout.attention_softcap is not None) or kernel.exact_query_rows is not None)
+    return settings.graph_capture or in_graph
+
+
+def _refuse_uncountable_context(settings: ExportSettings) -> None:
+    length = settings.context_length
+    if counts_positions_in_float32(settings) and length > FLOAT32_COUNT_LIMIT:
+        raise ExporterError(f"max_length {length} is over what this {settings.profile.name} decoder counts exactly "
+                            f"({FLOAT32_COUNT_LIMIT} tokens, in float32 on the device): choose --max-length "
+                            f"{FLOAT32_COUNT_LIMIT} or less (API: max_length=)")

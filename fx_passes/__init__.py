@@ -5,6 +5,7 @@ of counts that the export report shows. Every pass keeps the program runnable in
 """
 
 from fx_passes.base import FxPass, PassRecord, Settings, run_fx_passes
+from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.registry import FX_PASSES
 
-__all__ = ["FX_PASSES", "FxPass", "PassRecord", "Settings", "run_fx_passes"]
+__all__ = ["FX_PASSES", "FxPass", "PassDidNotApply", "PassRecord", "Settings", "run_fx_passes"]

@@ -50,6 +50,11 @@ class FxPass(Protocol):
         self, program: ExportedProgram, settings: Settings, session: Any
     ) -> tuple[ExportedProgram, dict[str, int]]: ...
 
+    # Optional, by name: ``note(changes) -> str | None``, what the report says of the counts;
+    # ``findings(changes) -> dict``, settings the plan takes from what the pass found
+    # (``exporter.plan.ExportSettings.with_findings``); ``unplanned_note(settings, session) ->
+    # str | None``, what the plan notes where the pass is not planned on a session.
+
 
 def erase_nodes(program: ExportedProgram, matches: Callable[[Any], bool]) -> int:
     """Erase every call node ``matches`` accepts, its users reading its first argument instead

@@ -28,21 +28,9 @@ from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
 from fx_passes import markers  # noqa: F401  (registers the marker op)
-from fx_passes.attention_cores import (
-    AttentionCore,
-    cache_concat,
-    find_attention_cores,
-    heads_output,
-)
+from fx_passes.attention_cores import AttentionCore, cache_concat, find_attention_cores, heads_output
 from fx_passes.base import Settings, add_parameter
-from fx_passes.graph_facts import (
-    PassDidNotApply,
-    evaluate_nodes,
-    probe_inputs,
-    same_shape,
-    set_fake_value,
-    user_input,
-)
+from fx_passes.graph_facts import PassDidNotApply, evaluate_nodes, probe_inputs, same_shape, set_fake_value, user_input
 from fx_passes.mask_probe import causal_window, decode_step_agrees
 from fx_passes.rotary import Rotary, match_rotary, rotary_caches
 
@@ -92,7 +80,7 @@ class SubstituteGroupQueryAttention:
                 continue
             # Where the EP's GroupQueryAttention would drop what this layer computes, it still writes
             # the cache (owners), but the attention itself reads the buffer's slots in the graph.
-            graph_window = _graph_window(core, window, kernel, settings.profile.capped_context(layout.context_length))
+            graph_window = _graph_window(core, window, kernel, settings.context_length)
             owner = key_cat not in presents
             heads = int(core.query.meta["val"].shape[1])
             kv_heads, head = (int(d) for d in key_cat.meta["val"].shape[1::2])
@@ -165,6 +153,11 @@ class SubstituteGroupQueryAttention:
             "substituted_layers": [c.layer for c in cores if c.layer not in plain],
             "plain_layers": plain,
         }
+
+    def findings(self, changes: dict) -> dict:
+        """What the plan's settings take from this pass (``ExportSettings.with_findings``): the
+        layers it left with transformers' attention, each with why."""
+        return {"plain_attention_layers": changes["plain_layers"]} if changes.get("plain_layers") else {}
 
     def note(self, changes: dict) -> str | None:
         notes = []

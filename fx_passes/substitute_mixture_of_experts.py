@@ -57,6 +57,15 @@ class SubstituteMixtureOfExperts:
             return None
         return f"{settings.profile.name} runs ONNX Runtime's MoE for SiLU-gated experts at {settings.precision}"
 
+    def unplanned_note(self, settings, session) -> str | None:
+        """What the report says where a decoder has experts and the pass is not planned."""
+        if not session.is_decoder or not settings.layout.experts_modules:
+            return None
+        return (f"{settings.layout.experts_modules} experts modules stay as traced: {settings.profile.name} at "
+                f"{settings.precision} has no MoE op in this exporter; where a router picks experts, each routed "
+                "token gathers its experts' whole weight matrices (prefill memory and time grow with prompt length "
+                "x experts per token x expert size)")
+
     def __call__(self, program: ExportedProgram, settings: Settings, session) -> tuple[ExportedProgram, dict]:
         graph = program.graph
         substituted, plain = [], {}

@@ -197,11 +197,7 @@ def _time_to_first_token(model, prompt) -> float:
 def predicted_flops(model, prompt_lengths) -> dict[str, dict[int, int]]:
     """FLOPs of one prefill (batch 1, no past) for the program without and with the passes."""
     import torch
-    from torch.utils.flop_counter import (
-        FlopCounterMode,
-        register_flop_formula,
-        sdpa_flop_count,
-    )
+    from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
 
     from ep_profiles import get_profile
     from exporter.load.layout import derive_layout
@@ -363,8 +359,8 @@ def benchmark_graph_capture(args) -> None:
     --no-graph-capture (the EP's default validation), both on the WebGPU EP, alternating in one run. On a software adapter (lavapipe) the GPU work is CPU work
     too, so this measures what capture saves on dispatch, not a real GPU's speed."""
     from ep_profiles import get_profile
-    from exporter.verify.ep_runtime import register
     from exporter.load.sources import load
+    from exporter.verify.ep_runtime import register
 
     webgpu = get_profile("webgpu")
     register(webgpu, genai=True)
@@ -393,8 +389,8 @@ def benchmark_attention_routing(args) -> None:
     import dataclasses
 
     from ep_profiles import get_profile
-    from exporter.verify.ep_runtime import register
     from exporter.load.sources import load
+    from exporter.verify.ep_runtime import register
 
     webgpu = get_profile("webgpu")
     register(webgpu, genai=True)
@@ -426,8 +422,8 @@ def benchmark_max_length(args) -> None:
     KV buffer GenAI allocates. On lavapipe GPU work is CPU work, so the ratio, not the speed, is
     what carries to a real GPU."""
     from ep_profiles import get_profile
-    from exporter.verify.ep_runtime import register
     from exporter.load.sources import load
+    from exporter.verify.ep_runtime import register
 
     register(get_profile("webgpu"), genai=True)
     loaded = load(args.model)

@@ -53,14 +53,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from exporter.cache import fingerprints
-
-from exporter.weights import streamed as weights
 from exporter.cache.cache_folder import (  # noqa: F401 (the cache's API)
     KEY_FILENAME,
     NO_CACHE_VARIABLE,
     chosen_folder,
     default_folder,
 )
+from exporter.weights import streamed as weights
 
 FORMAT = 1
 # The least recently used entries go once the cache holds more than this.

@@ -49,14 +49,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from exporter.package import destination
-
 from exporter.cache import fingerprints
 from exporter.cache.cache_folder import KEY_FILENAME
+from exporter.package import destination
 from exporter.package.files import REPORT_FILENAME, REPORT_MARKDOWN_FILENAME, save_report
 from exporter.package.report import ExportReport
-from exporter.weights.safetensors_header import read_header
 from exporter.stages import StageLog
+from exporter.weights.safetensors_header import read_header
 
 FORMAT = 1
 RECORD_FILENAME = "replay.json"

@@ -128,9 +128,7 @@ def multimodal_facts(config, processor_settings: dict[str, dict[str, Any]], sour
 
 def _log_mel_attributes(section: dict[str, Any], source: str) -> dict[str, Any]:
     """Gemma4LogMel's attributes: the section's values, else transformers' own defaults for them."""
-    from transformers.models.gemma4.feature_extraction_gemma4 import (
-        Gemma4AudioFeatureExtractor,
-    )
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
     defaults = {name: p.default for name, p in inspect.signature(Gemma4AudioFeatureExtractor.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from exporter.weights import streamed as weights
+from exporter.errors import ExporterError
 from exporter.load.activation_ranges import ActivationRanges, calibrate
 from exporter.load.compute_dtype import cast_like_from_pretrained
-from exporter.errors import ExporterError
 from exporter.load.layout import DecoderLayout, causal_lm_view, derive_layout
 from exporter.load.sources import LoadedModel
+from exporter.weights import streamed as weights
 
 
 @dataclass

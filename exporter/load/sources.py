@@ -24,7 +24,6 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from exporter.errors import ExporterError
-from exporter.load.peft_models import is_peft_model, merged_copy
 from exporter.load.multimodal import (
     MultimodalFacts,
     is_multimodal,
@@ -32,13 +31,8 @@ from exporter.load.multimodal import (
     read_processor_settings,
     require_special_strings,
 )
-from exporter.load.presets import (
-    MULTIMODAL_TOKENS,
-    PRESETS,
-    build_preset,
-    marker_ids,
-    train_tokenizer,
-)
+from exporter.load.peft_models import is_peft_model, merged_copy
+from exporter.load.presets import MULTIMODAL_TOKENS, PRESETS, build_preset, marker_ids, train_tokenizer
 from exporter.weights.streamed import (
     RandomWeights,
     SafetensorsWeights,

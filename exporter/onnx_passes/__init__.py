@@ -2,6 +2,7 @@
 export plan says they apply (``exporter.plan``)."""
 
 from exporter.onnx_passes.base import OnnxPass, OnnxPassRecord, run_onnx_passes
+from exporter.onnx_passes.norm_fusions import FusionDidNotApply
 from exporter.onnx_passes.registry import ONNX_PASSES
 
-__all__ = ["ONNX_PASSES", "OnnxPass", "OnnxPassRecord", "run_onnx_passes"]
+__all__ = ["ONNX_PASSES", "FusionDidNotApply", "OnnxPass", "OnnxPassRecord", "run_onnx_passes"]

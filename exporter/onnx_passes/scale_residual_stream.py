@@ -37,6 +37,7 @@ from onnx_ir.passes import common
 from exporter.onnx_passes.base import run_in_place
 from exporter.weights.lazy_steps import ScaledWeight
 
+
 @dataclasses.dataclass(frozen=True)
 class _Norm:
     data: tuple[int, ...]  # inputs normalized together (a skip norm adds them first)

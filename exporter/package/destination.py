@@ -85,8 +85,8 @@ def check_destination(output_dir: Path, overwrite: bool) -> Destination:
 def _not_from_the_export(package: Path) -> str | None:
     """The first entry of ``package`` its export report does not list (None if all are listed, or
     if there is no report to tell: a package from before reports recorded their files)."""
-    from exporter.package.integrity import recorded_files
     from exporter.package.files import REPORT_FILENAME, REPORT_MARKDOWN_FILENAME
+    from exporter.package.integrity import recorded_files
 
     recorded = recorded_files(package)
     if not recorded:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ep_profiles import EpProfile
 from exporter.errors import ExporterError
 from exporter.load.layout import DecoderLayout
 
@@ -33,24 +32,13 @@ def _token_ids(value) -> int | list[int] | None:
     return int(value)
 
 
-def chosen_context_length(layout: DecoderLayout, profile: EpProfile) -> int:
-    """genai_config's context_length and search.max_length: the model's own, capped by the
-    profile's max_length (the EP's default cap, or --max-length)."""
-    return profile.capped_context(layout.context_length)
-
-
-def build_genai_config(
-    layout: DecoderLayout,
-    profile: EpProfile,
-    generation_config: Any,
-    sections: dict[str, dict[str, Any]],
-    share_kv_buffer: bool = False,
-    multimodal=None,
-) -> dict[str, Any]:
-    """``sections``: each session's section by its name (``decoder``, ...), built by the session.
-    ``share_kv_buffer``: one KV buffer for past and present (every present written in place by
-    GroupQueryAttention). ``multimodal``: a Gemma 4 multimodal package's facts
-    (``exporter.load.multimodal.MultimodalFacts``): GenAI's ``gemma4`` type, with the token ids."""
+def build_genai_config(settings, generation_config: Any, sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``settings``: the export plan's (``exporter.plan.ExportSettings``): the layout, the context
+    length it chose, whether past and present share one KV buffer (every present written in place
+    by GroupQueryAttention), and a Gemma 4 multimodal package's facts (GenAI's ``gemma4`` type,
+    with the token ids). ``sections``: each session's section by its name (``decoder``, ...),
+    built by the session."""
+    layout, multimodal, share_kv_buffer = settings.layout, settings.multimodal, settings.share_kv_buffer
     eos = _token_ids(getattr(generation_config, "eos_token_id", None))
     bos = _token_ids(getattr(generation_config, "bos_token_id", None))
     pad = _token_ids(getattr(generation_config, "pad_token_id", None))
@@ -60,7 +48,7 @@ def build_genai_config(
         raise ExporterError(
             "the model has no eos_token_id; set model.generation_config.eos_token_id before exporting"
         )
-    context_length = chosen_context_length(layout, profile)
+    context_length = settings.context_length
     model = {
         "bos_token_id": bos,
         "context_length": context_length,

@@ -21,9 +21,9 @@ from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache, PreTrainedModel, masking_utils
 from transformers.cache_utils import DynamicLayer
 
-from exporter.trace import layer_replicas
 from exporter.load.experts import traceable_experts
 from exporter.load.layout import DecoderLayout, eval_mode
+from exporter.trace import layer_replicas
 
 # torch.export specialises a dimension whose sample size is 0 or 1, so every dynamic dimension of
 # the sample inputs must be >= 2; the graph traced at these sizes still serves past=0 and seq=1.

@@ -41,12 +41,12 @@ import onnx_ir as ir
 
 from ep_profiles import EpProfile
 from exporter.onnx_passes.schema_types import dtype_refusals
-from exporter.verify import postconditions
-from exporter.package.integrity import damaged_files, edited_files, is_model_file, recorded_files
 from exporter.package.files import GENAI_CONFIG_FILENAME, MODEL_FILENAME, REPORT_FILENAME
+from exporter.package.integrity import damaged_files, edited_files, is_model_file, recorded_files
 from exporter.precisions import PRECISIONS
-from exporter.verify.distribution import nonfinite
 from exporter.units import size_text
+from exporter.verify import postconditions
+from exporter.verify.distribution import nonfinite
 
 KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft"}
 SMOKE_TOKENS = 8
@@ -127,8 +127,8 @@ def check_package(package: Path, profile: EpProfile, against: Any = None) -> lis
         except Exception as error:
             findings.append(Finding(check.__name__.removeprefix("_check_"), False, f"{type(error).__name__}: {error}"))
     if against is not None:
-        from exporter.verify.check_against import compare_with_source
         from exporter.errors import ExporterError
+        from exporter.verify.check_against import compare_with_source
 
         try:
             results = compare_with_source(package, against, _precision(context), profile=profile)

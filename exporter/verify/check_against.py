@@ -47,11 +47,10 @@ import torch
 import transformers
 
 from ep_profiles import EpProfile
-from exporter.verify.distribution import nonfinite
-from exporter.verify.distribution import DistributionTotals
 from exporter.errors import ExporterError
 from exporter.load.layout import eval_mode
 from exporter.precisions import PRECISIONS
+from exporter.verify.distribution import DistributionTotals, nonfinite
 
 # Fixed prompts: plain text, so a real checkpoint's tokenizer gives real tokens.
 PROMPTS = (

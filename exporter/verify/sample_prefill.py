@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exporter.load.activation_ranges import CALIBRATION_PROMPTS
 from exporter.errors import ExporterError
+from exporter.load.activation_ranges import CALIBRATION_PROMPTS
 
 # The CPU EP holds an fp16 package's weights, and converts some to fp32: a full-size Gemma 4 E2B
 # (about 10 GB at fp16) would not fit beside the export on a 24 GiB machine.
@@ -31,8 +31,8 @@ class NonFiniteLogits(ExporterError):
 def run_sample_prefill(package: Path, tokenizer: Any, weight_bytes: int) -> dict[str, Any]:
     """Prefill CALIBRATION_PROMPTS[0] on the CPU EP and return what the report records; raises
     NonFiniteLogits naming the session, the step and the counts where a logit is NaN or infinite."""
-    from exporter.verify.distribution import nonfinite
     from exporter.verify.check_against import greedy_with_logits
+    from exporter.verify.distribution import nonfinite
 
     if weight_bytes > MAX_WEIGHT_BYTES:
         return {"skipped": f"{weight_bytes / (1 << 30):.1f} GiB of weights: more than the "

@@ -41,9 +41,9 @@ import torch
 from onnx_ir.tensor_adapters import to_torch_dtype
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from exporter.weights.lazy_steps import CastWeight, ReshapedWeight, TransposedWeight
-from exporter.weights.checkpoint_conversions import ConvertedTensors, plan_conversions
 from exporter.errors import ExporterError
+from exporter.weights.checkpoint_conversions import ConvertedTensors, plan_conversions
+from exporter.weights.lazy_steps import CastWeight, ReshapedWeight, TransposedWeight
 from exporter.weights.safetensors_header import read_header
 
 _PIECE = re.compile(r"^(?P<source>.+)\.use(?P<use>\d+)\.part(?P<part>\d+)$")

@@ -9,6 +9,7 @@ import pytest
 from ep_profiles import PROFILES, EpProfile, get_profile
 from ep_profiles.profile import GROUP_QUERY_ATTENTION, PLAIN_ATTENTION
 from ep_profiles.registry import UnknownProfileError
+from exporter.errors import ExporterError
 from exporter.onnx_passes.norm_fusions import KNOWN_NORM_FUSIONS
 from exporter.precisions import PRECISIONS
 
@@ -74,21 +75,26 @@ def test_genai_config_follows_the_profile(preset_exports):
     capped = dataclasses.replace(get_profile("webgpu"), max_length=64)
     decoder = DecoderSession()
 
-    def sections(profile, graph_capture=True):
-        settings = export_settings(profile, layout, "fp32", graph_capture=graph_capture)
-        return {"decoder": decoder.genai_section(settings, ["input_ids", "attention_mask"])}
+    def genai_config(profile, graph_capture=True, max_length=None):
+        settings = export_settings(profile, layout, "fp32", graph_capture=graph_capture, max_length=max_length)
+        sections = {"decoder": decoder.genai_section(settings, ["input_ids", "attention_mask"])}
+        return build_genai_config(settings, generation, sections)
 
-    config = build_genai_config(layout, capped, generation, sections(capped), share_kv_buffer=True)
+    config = genai_config(capped)
     assert config["model"]["context_length"] == config["search"]["max_length"] == 64 < layout.context_length
     assert config["model"]["decoder"]["session_options"]["provider_options"] == [
         {"webgpu": {"enableGraphCapture": "1", "validationMode": "disabled"}}]
     assert config["search"]["past_present_share_buffer"] is True
-    cuda = build_genai_config(layout, get_profile("cuda"), generation, sections(get_profile("cuda")))
+    cuda = genai_config(get_profile("cuda"))
     assert cuda["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
     assert cuda["model"]["context_length"] == layout.context_length
-    uncaptured = build_genai_config(layout, capped, generation, sections(capped, graph_capture=False))
+    uncaptured = genai_config(capped, graph_capture=False)
     assert uncaptured["model"]["decoder"]["session_options"]["provider_options"] == [
         {"webgpu": {"enableGraphCapture": "0"}}]
+    # The caller's max_length replaces the profile's default cap, up to the model's own.
+    assert genai_config(capped, max_length=96)["model"]["context_length"] == 96
+    with pytest.raises(ExporterError, match="over the model's context length"):
+        genai_config(capped, max_length=layout.context_length + 1)
 
 
 def test_generation_settings_keep_a_set_zero(preset_exports):
@@ -96,10 +102,11 @@ def test_generation_settings_keep_a_set_zero(preset_exports):
     import transformers
 
     from exporter.package.genai_config import build_genai_config
+    from exporter.plan import export_settings
 
     layout = preset_exports.get("tiny-gemma-4").package.layout
     generation = transformers.GenerationConfig(top_k=0, top_p=0.9, temperature=0.7, do_sample=True, eos_token_id=[1, 106])
-    config = build_genai_config(layout, get_profile("cpu"), generation, {})
+    config = build_genai_config(export_settings(get_profile("cpu"), layout, "fp32"), generation, {})
     assert config["search"]["top_k"] == layout.vocab_size
     assert (config["search"]["top_p"], config["search"]["temperature"]) == (0.9, 0.7)
     assert config["model"]["eos_token_id"] == [1, 106]

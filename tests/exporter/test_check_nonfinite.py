@@ -19,10 +19,10 @@ import pytest
 
 from ep_profiles import get_profile
 from exporter import export
-from exporter.verify.check import Finding, _check_smoke_generation, _Context, check_package
-from exporter.verify.distribution import nonfinite
-from exporter.verify.check_against import degenerate_repeat
 from exporter.cli import main
+from exporter.verify.check import Finding, _check_smoke_generation, _Context, check_package
+from exporter.verify.check_against import degenerate_repeat
+from exporter.verify.distribution import nonfinite
 
 pytestmark = pytest.mark.l1
 

@@ -80,9 +80,8 @@ def test_random_weights_int4_webgpu_package_passes_check(tmp_path, capsys):
     `check --ep webgpu` (buffer limit, placement under graph capture, generation)."""
     import json
 
-    from helpers.webgpu import require_webgpu
-
     from exporter.cli import main
+    from helpers.webgpu import require_webgpu
 
     require_webgpu()
     out = tmp_path / "e2b-shape-int4"

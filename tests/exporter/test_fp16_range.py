@@ -16,17 +16,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers.checkpoints import perturbed_preset_checkpoint, save_checkpoint
-from helpers.webgpu import WEBGPU, require_webgpu
 
 from exporter import export
-
+from exporter.errors import ExporterError
 from exporter.load import activation_ranges
 from exporter.load.activation_ranges import FP16_MAX, decoder_layers, measure
+from exporter.precisions import PRECISIONS
 from exporter.verify.check import check_package
 from exporter.verify.check_against import compare_with_source
-from exporter.precisions import PRECISIONS
-from exporter.errors import ExporterError
+from helpers.checkpoints import perturbed_preset_checkpoint, save_checkpoint
+from helpers.webgpu import WEBGPU, require_webgpu
 
 # Families whose stream the pass scales whole (webgpu packages, graph-captured).
 FAMILIES = ("tiny-gemma-4", "tiny-gemma2", "tiny-llama", "tiny-qwen3")

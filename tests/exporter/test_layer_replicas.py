@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_translation_ready import _canonical
 
 from exporter import export
-
-from exporter.trace import layer_replicas
 from exporter.load.layout import derive_layout
 from exporter.load.presets import PRESETS
+from exporter.trace import layer_replicas
 from exporter.trace.decoder import REPLICATED_LAYERS, GenAIDecoder, make_inputs, trace
-from test_translation_ready import _canonical
 
 # A preset for every replicated class, its EP profile, and how many of its layers are traced.
 CASES = [

@@ -12,16 +12,15 @@ import onnxruntime as ort
 import pytest
 import torch
 import transformers
-from helpers.checkpoints import save_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
 from test_parity import check_parity
 
 from ep_profiles import get_profile
 from exporter import ExporterError, export
 from exporter.cli import main
 from exporter.load.presets import build_preset, move_constant_tensors
+from helpers.checkpoints import save_checkpoint
 
 pytestmark = pytest.mark.l1
 

@@ -25,17 +25,17 @@ import onnx
 import pytest
 import torch
 import transformers
-from helpers.checkpoints import constant_saved_tensors, save_checkpoint
-from helpers.webgpu import WEBGPU, require_webgpu
 
 from ep_profiles import get_profile
 from exporter import export
-from exporter.verify.check import check_package
-from exporter.verify.ep_runtime import genai_config
 from exporter.load.layout import derive_layout
 from exporter.load.multimodal import read_processor_settings
 from exporter.load.presets import PRESETS, build_preset, train_tokenizer
+from exporter.verify.check import check_package
+from exporter.verify.ep_runtime import genai_config
 from exporter.verify.sample_media import gradient_image, tone, write_png, write_wav
+from helpers.checkpoints import constant_saved_tensors, save_checkpoint
+from helpers.webgpu import WEBGPU, require_webgpu
 
 pytestmark = pytest.mark.xdist_group("multimodal")
 
@@ -171,11 +171,7 @@ def test_processor_configs_come_from_the_checkpoint(checkpoint, tmp_path):
     settings["feature_extractor"]["mel_floor"] = 0.01
     settings["feature_extractor"]["max_frequency"] = 7600
     (folder / "processor_config.json").write_text(json.dumps(settings))
-    from exporter.load.multimodal import (
-        multimodal_facts,
-        speech_processor_json,
-        vision_processor_json,
-    )
+    from exporter.load.multimodal import multimodal_facts, speech_processor_json, vision_processor_json
 
     facts = multimodal_facts(transformers.AutoConfig.from_pretrained(folder), read_processor_settings(folder), "test")
     vision = vision_processor_json(facts)["processor"]["transforms"][1]["operation"]["attrs"]
@@ -219,8 +215,9 @@ def test_speech_keeps_bias_add_out_of_skip_norms(package):
 @pytest.mark.l1
 def test_a_package_without_audio_keeps_an_empty_speech_section():
     """ONNX Runtime GenAI 0.18 refuses a gemma4 package without a speech section (measured)."""
-    from exporter.package.genai_config import build_genai_config
     from exporter.load.multimodal import multimodal_facts
+    from exporter.package.genai_config import build_genai_config
+    from exporter.plan import export_settings
 
     preset = PRESETS[PRESET]
     config = preset.make_config()
@@ -228,7 +225,8 @@ def test_a_package_without_audio_keeps_an_empty_speech_section():
     facts = dataclasses.replace(facts, log_mel=None)
     model, _ = build_preset("tiny-gemma-4")
     layout = derive_layout(model)
-    built = build_genai_config(layout, get_profile("cpu"), model.generation_config, {"decoder": {}}, multimodal=facts)
+    settings = export_settings(get_profile("cpu"), layout, "fp32", multimodal=facts)
+    built = build_genai_config(settings, model.generation_config, {"decoder": {}})
     assert built["model"]["speech"] == {"config_filename": ""} and built["model"]["type"] == "gemma4"
 
 

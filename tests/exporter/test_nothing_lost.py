@@ -18,14 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.checkpoints import save_checkpoint
 
 from exporter import pipeline
-
-from exporter.package import destination, files as package
-from exporter.verify.check import check_package
 from exporter.cli import main
 from exporter.load.presets import build_preset
+from exporter.package import destination
+from exporter.package import files as package
+from exporter.verify.check import check_package
+from helpers.checkpoints import save_checkpoint
 
 pytestmark = pytest.mark.l1
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ import pytest
 from ep_profiles import get_profile
 from exporter.cli import main
 from exporter.load.layout import derive_layout
+from exporter.load.presets import build_preset
 from exporter.plan import export_settings, make_plan
 from exporter.precisions import int4_options
-from exporter.load.presets import build_preset
 
 CLEANUP = ["drop_runtime_asserts", "drop_noop_casts", "fold_untranslatable_constants", "complex_as_real_pairs"]
 GQA = "substitute_group_query_attention"

@@ -24,15 +24,15 @@ import onnxruntime_genai as og
 import pytest
 import torch
 import transformers
+
+from exporter import export
+from exporter.load.presets import build_preset
+from exporter.precisions import PRECISIONS
+from exporter.trace.decoder import GenAIDecoder, input_names, make_inputs
+from exporter.verify.check_against import departures, teacher_forced_logits
 from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 from helpers.genai_greedy import GREEDY_SCRIPT, greedy
 from helpers.trained_model import train_tiny_gemma4
-
-from exporter import export
-from exporter.verify.check_against import departures, teacher_forced_logits
-from exporter.precisions import PRECISIONS
-from exporter.load.presets import build_preset
-from exporter.trace.decoder import GenAIDecoder, input_names, make_inputs
 
 GREEDY = GREEDY_SCRIPT
 NEW_TOKENS = 24

@@ -9,18 +9,17 @@ safetensors folder, which the export streams as any user's checkpoint (slow: abo
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import transformers
-from helpers.real_checkpoints import gemma3_270m_folder
-from helpers.webgpu import WEBGPU, require_webgpu
 
 from exporter import export
+from exporter.int4_options import Int4Options
 from exporter.load.activation_ranges import FP16_MAX
 from exporter.verify.check import check_package
-from exporter.int4_options import Int4Options
 from exporter.verify.check_against import compare_with_source, greedy_with_logits, prompt_ids
+from helpers.real_checkpoints import gemma3_270m_folder
+from helpers.webgpu import WEBGPU, require_webgpu
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real_gemma3")]
 

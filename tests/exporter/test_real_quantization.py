@@ -19,10 +19,10 @@ import onnx_ir as ir
 import pytest
 import torch
 import transformers
-from helpers.real_checkpoints import gemma3_270m_folder, qwen25_coder_05b_folder
 
 from exporter import export
 from exporter.verify.check_against import compare_with_source
+from helpers.real_checkpoints import gemma3_270m_folder, qwen25_coder_05b_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.l4, pytest.mark.xdist_group("real_quantization")]
 

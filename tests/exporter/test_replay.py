@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import save_checkpoint, training_run_checkpoint
 
 from exporter.cache import replay
 from exporter.cli import main
 from exporter.load.preset_names import DEFAULT_PRESET, PRESET_NAMES
+from helpers.checkpoints import save_checkpoint, training_run_checkpoint
 
 pytestmark = pytest.mark.l1
 

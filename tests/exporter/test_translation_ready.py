@@ -13,9 +13,8 @@ import torch
 from torch.onnx._internal.exporter import _decomp, _registration
 
 from exporter import export
-
-from exporter.trace import translation_ready
 from exporter.lower.torch_onnx import lower
+from exporter.trace import translation_ready
 
 
 def _canonical(path) -> tuple:

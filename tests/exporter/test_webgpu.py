@@ -12,15 +12,15 @@ from pathlib import Path
 import onnx_ir as ir
 import onnxruntime_genai as og
 import pytest
-from helpers.genai_greedy import GREEDY_SCRIPT as GREEDY
-from helpers.genai_greedy import greedy
-from helpers.webgpu import WEBGPU, require_webgpu
 
 from ep_profiles import PLAIN_ATTENTION
 from exporter import ExporterError, export
+from exporter.onnx_passes import ONNX_PASSES
 from exporter.verify import postconditions
 from exporter.verify.ep_runtime import inference_session, placement
-from exporter.onnx_passes import ONNX_PASSES
+from helpers.genai_greedy import GREEDY_SCRIPT as GREEDY
+from helpers.genai_greedy import greedy
+from helpers.webgpu import WEBGPU, require_webgpu
 
 pytestmark = pytest.mark.xdist_group("webgpu")
 

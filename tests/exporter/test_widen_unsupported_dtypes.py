@@ -20,8 +20,8 @@ from onnx import helper as h
 from onnx import numpy_helper
 
 from exporter.errors import ExporterBug
-from exporter.onnx_passes.widen_unsupported_dtypes import WidenUnsupportedDtypes
 from exporter.onnx_passes.schema_types import dtype_refusals
+from exporter.onnx_passes.widen_unsupported_dtypes import WidenUnsupportedDtypes
 from exporter.verify.postconditions import require
 
 BF16_STEP = 2.0**-8

@@ -8,12 +8,12 @@ import torch
 
 from ep_profiles import get_profile
 from exporter.load.layout import derive_layout
-from exporter.plan import export_settings, make_plan
 from exporter.load.presets import build_preset
+from exporter.plan import export_settings, make_plan
 from exporter.trace.decoder import GenAIDecoder, make_inputs, trace
 from fx_passes import FX_PASSES, run_fx_passes
-from helpers.plan_settings import DECODER, pass_settings
 from fx_passes.graph_facts import PassDidNotApply
+from helpers.plan_settings import DECODER, pass_settings
 
 LAST_TOKEN = torch.ops.genai_exporter.last_token.default
 # vs the untouched program: the same ops on fewer rows, attention by GroupQueryAttention's

@@ -13,14 +13,14 @@ import torch
 
 from ep_profiles import get_profile
 from exporter import export
-from exporter.verify.check import check_package
 from exporter.load.layout import derive_layout
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
+from exporter.verify.check import check_package
 from fx_passes import FX_PASSES, run_fx_passes
-from helpers.plan_settings import DECODER, pass_settings
 from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.split_oversized_weights import piece_bounds
+from helpers.plan_settings import DECODER, pass_settings
 
 LIMIT = 64 * 1024  # tiny-gemma-4's per-layer table is 320 KiB in fp32, its tied embedding 128 KiB
 PROFILE = dataclasses.replace(get_profile("cpu"), name="cpu-64k", max_buffer_size=LIMIT)
