@@ -24,7 +24,7 @@ from exporter.onnx_passes import ONNX_PASSES
 from exporter.precisions import PRECISIONS
 from exporter.sessions import SESSIONS
 from fx_passes import FX_PASSES
-from fx_passes.markers import FLOAT32_COUNT_LIMIT
+from fx_passes.custom_ops.ops import FLOAT32_COUNT_LIMIT
 from fx_passes.substitute_group_query_attention import describe_plain_layers
 
 

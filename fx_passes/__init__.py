@@ -4,8 +4,8 @@ Each pass is a callable ``(program, settings, session) -> (program, changes)``; 
 of counts that the export report shows. Every pass keeps the program runnable in PyTorch.
 """
 
+from fx_passes.analyses.graph_facts import PassDidNotApply
 from fx_passes.base import FxPass, PassRecord, Settings, run_fx_passes
-from fx_passes.graph_facts import PassDidNotApply
 from fx_passes.registry import FX_PASSES
 
 __all__ = ["FX_PASSES", "FxPass", "PassDidNotApply", "PassRecord", "Settings", "run_fx_passes"]

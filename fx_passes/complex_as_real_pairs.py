@@ -15,8 +15,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
+from fx_passes.analyses.graph_facts import PassDidNotApply, set_fake_value
 from fx_passes.base import Settings
-from fx_passes.graph_facts import PassDidNotApply, set_fake_value
 
 _aten = torch.ops.aten
 _SAME_DTYPE = (_aten.to.dtype_layout, _aten.to.dtype, _aten.clone.default, _aten.contiguous.default)

@@ -14,8 +14,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from fx_passes.analyses.graph_facts import ancestors, evaluate_nodes
 from fx_passes.base import Settings, add_parameter, program_fake_mode
-from fx_passes.graph_facts import ancestors, evaluate_nodes
 
 _UNTRANSLATABLE = (torch.ops.aten.erfinv.default,)
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 
-from fx_passes import markers  # noqa: F401  (registers the genai_exporter::last_token op)
-from fx_passes.base import Settings
-from fx_passes.graph_facts import (
+import fx_passes.custom_ops.ops  # noqa: F401  (registers the custom ops)
+from fx_passes.analyses.graph_facts import (
     PassDidNotApply,
     axes_equal_to,
     graph_input,
@@ -25,6 +24,7 @@ from fx_passes.graph_facts import (
     set_fake_value,
     user_input,
 )
+from fx_passes.base import Settings
 
 _aten = torch.ops.aten
 _PROJECTIONS = (_aten.linear.default, _aten.matmul.default, _aten.mm.default)

@@ -21,8 +21,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
+from fx_passes.analyses.graph_facts import PassDidNotApply, set_fake_value
 from fx_passes.base import Settings, add_parameter
-from fx_passes.graph_facts import PassDidNotApply, set_fake_value
 
 _aten = torch.ops.aten
 _EMBEDDING, _LINEAR = _aten.embedding.default, _aten.linear.default

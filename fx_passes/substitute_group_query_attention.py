@@ -27,12 +27,19 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
-from fx_passes import markers  # noqa: F401  (registers the marker op)
-from fx_passes.attention_cores import AttentionCore, cache_concat, find_attention_cores, heads_output
+import fx_passes.custom_ops.ops  # noqa: F401  (registers the custom ops)
+from fx_passes.analyses.attention_cores import AttentionCore, cache_concat, find_attention_cores, heads_output
+from fx_passes.analyses.graph_facts import (
+    PassDidNotApply,
+    evaluate_nodes,
+    probe_inputs,
+    same_shape,
+    set_fake_value,
+    user_input,
+)
+from fx_passes.analyses.mask_probe import causal_window, decode_step_agrees
+from fx_passes.analyses.rotary import Rotary, match_rotary, rotary_caches
 from fx_passes.base import Settings, add_parameter
-from fx_passes.graph_facts import PassDidNotApply, evaluate_nodes, probe_inputs, same_shape, set_fake_value, user_input
-from fx_passes.mask_probe import causal_window, decode_step_agrees
-from fx_passes.rotary import Rotary, match_rotary, rotary_caches
 
 _aten = torch.ops.aten
 _GQA = torch.ops.genai_exporter.group_query_attention.default

@@ -9,7 +9,7 @@ gathers them once per token. ``com.microsoft.MoE`` routes and multiplies inside 
 The pass finds each block from the graph: the nodes traced in one experts module (its 3-D
 ``gate_up_proj`` and ``down_proj`` read by ``index``), the top-k that picks its experts, and the
 softmax over the logits before it. It then checks that the block computes what the MoE op computes
-(``markers.mixture_of_experts``, the reference kernel) by running both on random weights and
+(``ops.mixture_of_experts``, the reference kernel) by running both on random weights and
 inputs, with and without renormalisation, and substitutes the one that matches. A block whose
 routing or experts differ (Gemma 4's per-expert scales and GELU-gated experts, transposed or biased
 experts) stays as traced, and the report says which and why.
@@ -25,9 +25,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from fx_passes import markers  # noqa: F401  (registers genai_exporter::mixture_of_experts)
+from fx_passes.analyses.graph_facts import layer_index, probe_inputs
 from fx_passes.base import Settings
-from fx_passes.graph_facts import layer_index, probe_inputs
+from fx_passes.custom_ops import ops  # registers the custom ops; ops.mixture_of_experts is the reference kernel
 
 _aten = torch.ops.aten
 _MIXTURE_OF_EXPERTS = torch.ops.genai_exporter.mixture_of_experts.default
@@ -168,7 +168,7 @@ def _matching_normalisation(program: ExportedProgram, block: _Block, hidden: Nod
     except _NotEvaluable:
         return None
     for normalize in (True, False):
-        got = markers.mixture_of_experts(given[hidden], given[logits], weights[block.gate_up], weights[block.down],
+        got = ops.mixture_of_experts(given[hidden], given[logits], weights[block.gate_up], weights[block.down],
                                          k, normalize)
         if got.shape == want.shape and torch.allclose(got, want, atol=_TOLERANCE, rtol=_TOLERANCE):
             return normalize

@@ -23,9 +23,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from fx_passes.base import Settings
-from fx_passes.gather_last_token import insert_last_token
-from fx_passes.graph_facts import (
+from fx_passes.analyses.graph_facts import (
     PassDidNotApply,
     ancestors,
     axes_equal_to,
@@ -37,6 +35,8 @@ from fx_passes.graph_facts import (
     token_input,
     user_input,
 )
+from fx_passes.base import Settings
+from fx_passes.gather_last_token import insert_last_token
 
 _LAST_TOKEN = torch.ops.genai_exporter.last_token.default
 

@@ -22,7 +22,7 @@ import torch
 from torch.export import ExportedProgram
 
 from exporter.trace import translation_ready
-from fx_passes.markers import ONNX_TRANSLATIONS
+from fx_passes.custom_ops.ops import ONNX_TRANSLATIONS
 
 OPSET = 21
 

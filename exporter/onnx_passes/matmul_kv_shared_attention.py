@@ -31,7 +31,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from fx_passes.markers import hidden_score_bias
+from fx_passes.custom_ops.ops import hidden_score_bias
 
 _HANDLED_ATTRIBUTES = {"num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
                        "rotary_interleaved"}

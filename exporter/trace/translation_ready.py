@@ -30,8 +30,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
+from fx_passes.analyses.graph_facts import fake_value, same_shape
 from fx_passes.base import outputs_named_as_in_graph, program_fake_mode
-from fx_passes.graph_facts import fake_value, same_shape
 
 _aten = torch.ops.aten
 _RESHAPES = (_aten.flatten.using_ints, _aten.unflatten.int, _aten.reshape.default)

@@ -85,7 +85,7 @@ def test_the_shared_kv_region_sees_in_place_writes():
     the truncation's dataflow must count such a write as feeding whatever reads the stack."""
     from exporter.load.layout import derive_layout
     from exporter.trace.decoder import trace
-    from fx_passes.graph_facts import ancestors, graph_outputs
+    from fx_passes.analyses.graph_facts import ancestors, graph_outputs
 
     model, _ = build_preset("tiny-gemma-3n")
     program, _ = trace(model, derive_layout(model))

@@ -14,10 +14,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
+import fx_passes.custom_ops.ops  # noqa: F401  (registers the custom ops)
 from ep_profiles import get_profile
 from exporter.lower.torch_onnx import lower
 from exporter.onnx_passes.omit_unread_presents import OmitUnreadPresents
-from fx_passes import markers  # noqa: F401  (registers the marker ops)
 
 NUM_HEADS, KV_HEADS, HEAD, SLOTS = 4, 2, 16, 32  # ONNX Runtime rotates heads of 16k
 TOLERANCE = 1e-5  # fp32, one attention: different summation orders only

@@ -13,7 +13,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from fx_passes import markers  # noqa: F401  (registers the marker op)
+import fx_passes.custom_ops.ops  # noqa: F401  (registers the custom ops)
 
 NUM_HEADS, KV_HEADS, HEAD = 4, 2, 8
 TOLERANCE = 1e-5  # fp32, one attention: different summation orders only

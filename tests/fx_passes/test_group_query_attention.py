@@ -13,8 +13,8 @@ from exporter.load.layout import derive_layout
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
 from fx_passes import FX_PASSES, run_fx_passes
-from fx_passes.graph_facts import PassDidNotApply
-from fx_passes.mask_probe import causal_window, decode_step_agrees
+from fx_passes.analyses.graph_facts import PassDidNotApply
+from fx_passes.analyses.mask_probe import causal_window, decode_step_agrees
 from helpers.families import FAMILIES, MIXTURE_OF_EXPERTS_FAMILIES, PLAIN_ATTENTION_LAYERS
 from helpers.plan_settings import DECODER, pass_settings
 

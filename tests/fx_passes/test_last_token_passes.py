@@ -12,7 +12,7 @@ from exporter.load.presets import build_preset
 from exporter.plan import export_settings, make_plan
 from exporter.trace.decoder import GenAIDecoder, make_inputs, trace
 from fx_passes import FX_PASSES, run_fx_passes
-from fx_passes.graph_facts import PassDidNotApply
+from fx_passes.analyses.graph_facts import PassDidNotApply
 from helpers.plan_settings import DECODER, pass_settings
 
 LAST_TOKEN = torch.ops.genai_exporter.last_token.default

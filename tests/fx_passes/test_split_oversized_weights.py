@@ -18,7 +18,7 @@ from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
 from exporter.verify.check import check_package
 from fx_passes import FX_PASSES, run_fx_passes
-from fx_passes.graph_facts import PassDidNotApply
+from fx_passes.analyses.graph_facts import PassDidNotApply
 from fx_passes.split_oversized_weights import piece_bounds
 from helpers.plan_settings import DECODER, pass_settings
 

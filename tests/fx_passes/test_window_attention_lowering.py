@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
+import fx_passes.custom_ops.ops  # noqa: F401  (registers the custom ops)
 from exporter.lower.torch_onnx import lower
-from fx_passes import markers  # noqa: F401  (registers the marker ops)
 
 NUM_HEADS, HEAD, WINDOW, SCALE = 4, 8, 4, 0.3
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # one attention: summation order; fp16's rounding

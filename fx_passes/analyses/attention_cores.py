@@ -17,7 +17,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from fx_passes.graph_facts import PassDidNotApply, layer_index, same_shape
+from fx_passes.analyses.graph_facts import PassDidNotApply, layer_index, same_shape
 
 _aten = torch.ops.aten
 _SDPA = _aten.scaled_dot_product_attention.default

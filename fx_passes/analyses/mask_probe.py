@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fx_passes.graph_facts import PassDidNotApply
+from fx_passes.analyses.graph_facts import PassDidNotApply
 
 
 def allowed_keys(mask: torch.Tensor, name: str) -> torch.Tensor:

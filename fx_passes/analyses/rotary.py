@@ -20,7 +20,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from fx_passes.graph_facts import ancestors, evaluate_nodes, probe_inputs
+from fx_passes.analyses.graph_facts import ancestors, evaluate_nodes, probe_inputs
 
 _aten = torch.ops.aten
 
