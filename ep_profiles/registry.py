@@ -25,7 +25,7 @@ _CPU_ATTENTION = AttentionKernel(
     measured="ONNX Runtime 1.32 CPU EP, 2026-12-06",
 )
 
-# scripts/probe_attention_kernels.py --ep webgpu, 2026-12-06 (table in README.md): the
+# scripts/probe_attention_kernels.py --ep webgpu, 2026-12-06 (table in docs/measurements.md): the
 # window is ignored in a KV-shared call and under graph capture (2.7 off, exact without it);
 # softcap is ignored (2.0 off); head_sink and q/k norm weights (with do_rotary, epsilon from
 # qk_norm_epsilon) are exact; an 8-bit KV cache fails at run time, a 4-bit one is refused.

@@ -41,7 +41,10 @@ from exporter.trace import translation_ready
 from exporter.trace.decoder import REPLICATED_LAYERS
 from exporter.verify import postconditions
 from exporter.verify.sample_prefill import run_sample_prefill
-from exporter.weights import streamed as weights
+from exporter.weights.meta_model import tensor_names
+from exporter.weights.origins import WeightOrigin, made_from, weight_origins
+from exporter.weights.placeholders import attach, detach
+from exporter.weights.sources import SafetensorsWeights, account
 from fx_passes import FX_PASSES, PassDidNotApply, run_fx_passes
 
 
@@ -52,10 +55,10 @@ class ExportedPackage:
     layout: DecoderLayout
     plan: ExportPlan
     # Each session file -> its weight initializers -> where their bytes come from (a checkpoint
-    # range copied, or one stored tensor converted and laid out: ``weights.WeightOrigin``), where
+    # range copied, or one stored tensor converted and laid out: ``WeightOrigin``), where
     # every weight is that and was read by nothing but the writer (what a command-line replay
     # records: ``exporter.cache.replay``); else None, and ``weight_origins_why_not``.
-    weight_origins: dict[str, dict[str, weights.WeightOrigin]] | None = None
+    weight_origins: dict[str, dict[str, WeightOrigin]] | None = None
     weight_origins_why_not: str | None = None
 
     @property
@@ -188,7 +191,7 @@ def export(
                                                  settings.layout.num_layers)
     every_reader = [reader for session_readers in readers.values() for reader in session_readers]
     if loaded.weights is not None:
-        report.notes += weights.account(loaded.weights, len(every_reader),
+        report.notes += account(loaded.weights, len(every_reader),
                                         {reader.tensor_name for reader in every_reader}, strict)
     origins = _weight_origins(loaded, models, readers, settings)
 
@@ -209,7 +212,7 @@ def export(
 def _weight_origins(loaded, models, readers, settings: ExportSettings) -> tuple[dict | None, str | None]:
     """Each session file's weights -> where their bytes come from, or why the package's weights
     depend on more than their checkpoint tensors (``ExportedPackage.weight_origins``)."""
-    if not isinstance(loaded.weights, weights.SafetensorsWeights):
+    if not isinstance(loaded.weights, SafetensorsWeights):
         return None, "the weights do not stream from a checkpoint folder's safetensors"
     if settings.compute_dtype == torch.float16:
         # Another checkpoint may need another residual scale (or none): only an export measures it.
@@ -219,7 +222,7 @@ def _weight_origins(loaded, models, readers, settings: ExportSettings) -> tuple[
         return None, "the checkpoint saves a tied tensor under two keys, whose values the export compared"
     origins = {}
     for name, model in models.items():
-        session = weights.weight_origins(model, readers[name])
+        session = weight_origins(model, readers[name])
         if session.origins is None:
             return None, session.why_not
         origins[SESSIONS[name].filename(settings)] = session.origins
@@ -233,7 +236,7 @@ def _read_once_each(models, readers) -> str | None:
     for name, model in models.items():
         expected = collections.Counter()
         for value in model.graph.initializers.values():
-            chain = weights.made_from(value.const_value)
+            chain = made_from(value.const_value)
             if chain is not None and chain[0] is not None:
                 expected[id(chain[0])] += 1
         for reader in readers[name]:
@@ -303,7 +306,7 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
                     stages: StageLog, cached_graphs: tuple[graph_cache.GraphCache, dict] | None):
     """One session: its lowered graph from the cache, or trace -> FX passes -> lower; then weights
     attached lazily -> ONNX passes -> post-conditions. Returns its ONNX model, the readers of its
-    weights (``weights.attach``), and the settings with the decoder layers that kept plain
+    weights (``attach``), and the settings with the decoder layers that kept plain
     attention."""
     session_report = report.sessions[session.name] = SessionReport(session.filename(settings))
     lowered = cached_graphs[0].read(session.name) if cached_graphs is not None else None
@@ -324,7 +327,7 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
     report.notes += _fx_pass_notes(session_plan, lowered.fx_passes)
     settings = _with_findings(settings, session, session_plan, lowered.fx_passes)
     with stages.stage(_stage("onnx_passes", session, settings)):
-        readers = weights.attach(onnx_model, prepared.weight_source, lowered.recipes)
+        readers = attach(onnx_model, prepared.weight_source, lowered.recipes)
         _run_onnx_passes(onnx_model, session, session_plan, settings, session_report)
         postconditions.require(onnx_model, settings, session)
         if note := postconditions.uncaptured_cpu_note(onnx_model, settings, session):
@@ -348,9 +351,9 @@ def _lower_session(session, session_plan, prepared, settings: ExportSettings, st
     with stages.stage(_stage("lower", session, settings)):
         onnx_model, decomposed_because = _run_step("lowering to ONNX", lower, program, traced.sample_inputs,
                                                    session.input_names(settings), session.output_names(settings))
-        names = weights.tensor_names(traced.module, prepared.model)
+        names = tensor_names(traced.module, prepared.model)
         del program, traced
-        recipes = weights.detach(onnx_model, prepared.saved_shapes, names, real_weights=prepared.weights_in_model)
+        recipes = detach(onnx_model, prepared.saved_shapes, names, real_weights=prepared.weights_in_model)
         lowered = graph_cache.LoweredSession.of(onnx_model, recipes, fx_records)
         return lowered, lowered.model(), decomposed_because, copied_layers
 

@@ -10,7 +10,7 @@ made large (queries and keys scaled up) so that a dropped softcap or window show
     python scripts/probe_attention_kernels.py --ep cpu --json
 
 Re-run it on each new release of an EP plugin; where a fact changed, change the profile
-(``ep_profiles/registry.py``) and the dated table in README.md ("What the WebGPU attention kernel
+(``ep_profiles/registry.py``) and the dated table in docs/measurements.md ("What the WebGPU attention kernel
 honours").
 """
 

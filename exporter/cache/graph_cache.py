@@ -1,6 +1,6 @@
 """Re-exports reuse the lowered graph: trace, FX passes and lowering are most of an export's time,
 and their result depends on the architecture, the options and the libraries, never on the weight
-values (weights reach the package when it is written: ``exporter.weights.streamed``). So each session's
+values (weights reach the package when it is written: ``exporter.weights``). So each session's
 lowered graph is kept, with its weights as placeholders, under a key of everything that shapes it,
 and a re-export of another checkpoint of the same architecture (a training run's, or the same
 model in memory after more steps) starts from the ONNX passes.
@@ -59,7 +59,8 @@ from exporter.cache.cache_folder import (  # noqa: F401 (the cache's API)
     chosen_folder,
     default_folder,
 )
-from exporter.weights import streamed as weights
+from exporter.weights.recipes import Recipes, recipes_from_json, recipes_to_json
+from exporter.weights.sources import WeightSource
 
 FORMAT = 1
 # The least recently used entries go once the cache holds more than this.
@@ -77,11 +78,11 @@ class LoweredSession:
     before it decided: the FX pass records and where each weight is read."""
 
     model_proto: bytes
-    recipes: weights.Recipes
+    recipes: Recipes
     fx_passes: list[dict[str, Any]]
 
     @classmethod
-    def of(cls, model: ir.Model, recipes: weights.Recipes, fx_passes: list[dict[str, Any]]) -> LoweredSession:
+    def of(cls, model: ir.Model, recipes: Recipes, fx_passes: list[dict[str, Any]]) -> LoweredSession:
         return cls(ir.serde.serialize_model(model).SerializeToString(), recipes, fx_passes)
 
     def model(self) -> ir.Model:
@@ -103,7 +104,7 @@ class GraphCache:
             proto = (self.folder / f"{session}.onnx").read_bytes()
             if record["format"] != FORMAT or record["sha256"] != _digest(proto, record["recipes"], record["fx_passes"]):
                 return None
-            lowered = LoweredSession(proto, weights.recipes_from_json(record["recipes"]), record["fx_passes"])
+            lowered = LoweredSession(proto, recipes_from_json(record["recipes"]), record["fx_passes"])
         except (OSError, ValueError, KeyError, TypeError):
             return None  # missing, torn or altered: a miss, rewritten by this export
         with contextlib.suppress(OSError):  # a read-only cache still serves
@@ -114,7 +115,7 @@ class GraphCache:
         """Writes atomically (each file renamed into place, the record last). Raises OSError where
         the folder is not writable (the export goes on without it)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        recipes = weights.recipes_to_json(lowered.recipes)
+        recipes = recipes_to_json(lowered.recipes)
         record = {"format": FORMAT, "sha256": _digest(lowered.model_proto, recipes, lowered.fx_passes),
                   "recipes": recipes, "fx_passes": lowered.fx_passes}
         _write_atomically(self.folder / f"{session}.onnx", lowered.model_proto)
@@ -176,7 +177,7 @@ def prune(root: Path, keep: Path, max_bytes: int = MAX_BYTES) -> list[Path]:
     return removed
 
 
-def key_ingredients(model: torch.nn.Module, weight_source: weights.WeightSource, settings, plan,
+def key_ingredients(model: torch.nn.Module, weight_source: WeightSource, settings, plan,
                     views: tuple[torch.nn.Module, ...] = ()) -> dict[str, Any] | str:
     """Everything the lowered graphs depend on, as JSON-able values; or, where the model runs code
     no key can see, why it cannot be cached. The kind of ``weight_source`` decides which tensors

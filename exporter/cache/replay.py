@@ -418,7 +418,7 @@ class _CheckpointRanges:
         return self.files[name]
 
     def piece(self, origin) -> dict[str, Any] | None:
-        from exporter.weights.streamed import DerivedWeight
+        from exporter.weights.origins import DerivedWeight
 
         if isinstance(origin, DerivedWeight):
             return self._derived_piece(origin)

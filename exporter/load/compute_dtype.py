@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from exporter.weights.streamed import build_on_meta
+from exporter.weights.meta_model import build_on_meta
 
 
 def cast_like_from_pretrained(model: transformers.PreTrainedModel, dtype: torch.dtype) -> None:

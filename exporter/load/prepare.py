@@ -15,7 +15,8 @@ from exporter.load.activation_ranges import ActivationRanges, calibrate
 from exporter.load.compute_dtype import cast_like_from_pretrained
 from exporter.load.layout import DecoderLayout, causal_lm_view, derive_layout
 from exporter.load.sources import LoadedModel
-from exporter.weights import streamed as weights
+from exporter.weights.meta_model import fake_weights
+from exporter.weights.sources import ModelWeights, WeightSource
 
 
 @dataclass
@@ -27,14 +28,14 @@ class PreparedModel:
     saved_shapes: dict[str, tuple[int, ...]]
     # Where the package's weights are read when it is written: the loaded source's, or the model's
     # own tensors where the model holds them (then traced with their values: ``weights_in_model``).
-    weight_source: weights.WeightSource
+    weight_source: WeightSource
     # fp16 activations: the decoder's float32 peaks on the calibration prompts, or why they were
     # not measured (``exporter.load.activation_ranges``); None at other precisions.
     activation_ranges: ActivationRanges | str | None = None
 
     @property
     def weights_in_model(self) -> bool:
-        return isinstance(self.weight_source, weights.ModelWeights)
+        return isinstance(self.weight_source, ModelWeights)
 
 
 def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
@@ -63,8 +64,8 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         ) from error
     saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     if loaded.weights is None:
-        return PreparedModel(model, decoder, layout, saved_shapes, weights.ModelWeights(model), ranges)
-    weights.fake_weights(model, buffers=loaded.weights.provides_buffers)
+        return PreparedModel(model, decoder, layout, saved_shapes, ModelWeights(model), ranges)
+    fake_weights(model, buffers=loaded.weights.provides_buffers)
     return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights, ranges)
 
 

@@ -5,7 +5,7 @@ Loading is safe by default: weights come from safetensors; pickled ``.bin`` weig
 code when loaded) need an explicit opt-in, and so does a checkpoint's own Python code.
 
 A safetensors folder is not loaded into memory: the model is built with empty parameters and its
-weights are streamed into the package as it is written (``exporter.weights.streamed``). ``random_weights``
+weights are streamed into the package as it is written (``exporter.weights``). ``random_weights``
 builds any source's architecture from its config alone, with random weights drawn the same way:
 for aliases whose config ships with the exporter (``configs/``), nothing is downloaded.
 """
@@ -33,14 +33,8 @@ from exporter.load.multimodal import (
 )
 from exporter.load.peft_models import is_peft_model, merged_copy
 from exporter.load.presets import MULTIMODAL_TOKENS, PRESETS, build_preset, marker_ids, train_tokenizer
-from exporter.weights.streamed import (
-    RandomWeights,
-    SafetensorsWeights,
-    UnreadTensors,
-    WeightSource,
-    build_on_meta,
-    tied_aliases,
-)
+from exporter.weights.meta_model import build_on_meta, tied_aliases
+from exporter.weights.sources import RandomWeights, SafetensorsWeights, UnreadTensors, WeightSource
 
 ALIASES: dict[str, str] = {
     "gemma-4-e2b": "google/gemma-4-E2B-it",

@@ -16,7 +16,7 @@ torch.onnx leaves for weights too large to fold), and every Gather along axis 0 
 initializer table (embeddings, per-layer tables and their pieces). Each weight's bits come from
 the precision (``int8``: all 8) and, at int4, from ``Int4Options.eight_bit``: the LM head is the
 MatMul that computes the ``logits`` output, and a layer's value and down projections are found by
-the checkpoint tensor their initializer reads (``exporter.weights.streamed.made_from``).
+the checkpoint tensor their initializer reads (``exporter.weights.origins.made_from``).
 """
 
 from __future__ import annotations
@@ -454,7 +454,7 @@ def _matmul_weight(node: ir.Node) -> tuple[ir.Value, bool] | None:
 def _checkpoint_name(tensor: ir.TensorProtocol | None) -> str | None:
     """The checkpoint tensor a lazy initializer is made from, through the steps passes put on it
     (transposes, reshapes, casts, the residual stream's power-of-two scale); None for another."""
-    from exporter.weights.streamed import WeightReader
+    from exporter.weights.placeholders import WeightReader
 
     while isinstance(tensor, ir.LazyTensor):
         made = tensor.raw

@@ -66,7 +66,7 @@ def _cast(node: ir.Node, tensor, source: ir.Value) -> ir.Value | None:
 
 def is_made_from_weight(tensor) -> bool:
     """Whether a lazy tensor is a weight or made from one (an unknown lazy tensor may be)."""
-    from exporter.weights.streamed import made_from
+    from exporter.weights.origins import made_from
 
     if not isinstance(tensor, ir.LazyTensor):
         return False

@@ -2,7 +2,7 @@
 a weight's layout (transposed, reshaped), its dtype (a cast) and the residual stream's power-of-two
 scale. ONNX passes put them on weights without reading them (``onnx_passes.fold_weight_transposes``,
 ``weight_folds``, ``scale_residual_stream``); a replay (``exporter.cache.replay``) and the
-quantizer's checkpoint names follow them back to the stored tensor (``exporter.weights.streamed.made_from``).
+quantizer's checkpoint names follow them back to the stored tensor (``exporter.weights.origins.made_from``).
 Each is equal only to itself: it never compares tensors."""
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ PROMPT_LENGTH = 12
 # int4 0.54-0.58 (fp32 activations, accuracy level 4 = int8) and 0.57 (fp16 activations). The
 # bounds are about 2x the largest, still far below a margin that decides a token.
 # K-quant is worse than round-to-nearest on this tiny model (1.85 and 2.03; its rows are 64 wide),
-# better on the real Gemma 3 270M (README, "int4 quality on real weights"): bound 2.5.
+# better on the real Gemma 3 270M (docs/measurements.md, "int4 and int8 on real weights"): bound 2.5.
 # 2026-12-07, after int4's default became asymmetric: int4 0.82 (cpu and webgpu; the symmetric
-# former default 0.59-0.60 here, worse on the real checkpoints: README), with the 8-bit head and
+# former default 0.59-0.60 here, worse on the real checkpoints: docs/measurements.md), with the 8-bit head and
 # sensitive layers ("mixed") 0.66 and 0.69, k_quant 1.85 and 2.03; int8 0.081 (cpu, int8
 # compute) and 0.080 (webgpu, fp16 activations): bound 0.3.
 LOGIT_TOLERANCE = {"fp32": 1e-4, "fp16": 2.5e-2, "int4-cpu": 1.0, "int4-webgpu": 1.0, "int4-k_quant-cpu": 2.5,

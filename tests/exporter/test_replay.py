@@ -340,7 +340,8 @@ def test_tidy_deduplicates_constants_and_keeps_equal_weights_apart():
     import onnx_ir as ir
 
     from exporter.onnx_passes.tidy import DeduplicateConstantsPass
-    from exporter.weights.streamed import WEIGHT_PLACEHOLDER, RandomWeights, attach
+    from exporter.weights.placeholders import WEIGHT_PLACEHOLDER, attach
+    from exporter.weights.sources import RandomWeights
 
     values = {}
     for name in ("c1", "w1", "w2", "c2", "w3"):

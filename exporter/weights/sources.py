@@ -1,28 +1,7 @@
-"""Weights that are never all in memory: trace a model whose parameters hold no data, then give
-each ONNX initializer its values lazily, read or drawn when the package is written.
-
-Gemma 4 E2B has 5.1 B parameters (20 GiB in fp32, 10 GiB in fp16); a 24 GiB machine cannot hold
-them next to the traced program and their converted copies. So for a checkpoint folder (and for
-``--random-weights``) the model is built with its parameters on the meta device
-(``build_on_meta``: nothing allocated; buffers real, from transformers' init), traced with fake tensors, and after
-lowering every weight initializer becomes a placeholder (``detach``; the lowered graph then serves
-any weights of its architecture: ``exporter.cache.graph_cache``) and then an ``onnx_ir.LazyTensor``
-(``attach``) that reads its tensor from the safetensors files (only the slice a split piece needs),
-draws it, or takes it from a model in memory (``ModelWeights``: traced with its values, written the
-same way), at the moment ``onnx_ir.save`` writes it. Each weight is materialised once, at the package's precision; later lazy steps
-(transpose, int4 blocks) chain on it.
-
-"Weights" are everything the model saves: its ``state_dict()``, parameters and persistent buffers
-(Gemma 4's ``layer_scalar``). A checkpoint's persistent buffers are read like its parameters;
-non-persistent buffers (rotary tables, embedding scales) are computed from the config and stay as
-built. Every saved tensor must be in the checkpoint with its shape, and every checkpoint tensor must
-be read, be a tied duplicate, or belong to a part of the model the export leaves out on purpose:
-what is left over is reported (an error under ``strict``).
-
-Initializer names are the program's state-dict targets: ``model.`` + the transformers tensor
-name, and for a weight the split pass cut, ``<target>.use<U>.part<P>`` (pieces in order along
-one axis).
-"""
+"""Where weights come from, one tensor at a time: a safetensors folder (``SafetensorsWeights``: only the
+slice a split piece needs, through transformers' own conversions), random draws from a fixed seed
+(``RandomWeights``), or a model in memory (``ModelWeights``); each accounts for every saved tensor
+(``UnreadTensors``: what was left over, an error under ``strict``)."""
 
 from __future__ import annotations
 
@@ -31,23 +10,16 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import onnx_ir as ir
 import torch
-from onnx_ir.tensor_adapters import to_torch_dtype
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from exporter.errors import ExporterError
 from exporter.weights.checkpoint_conversions import ConvertedTensors, plan_conversions
-from exporter.weights.lazy_steps import CastWeight, ReshapedWeight, TransposedWeight
 from exporter.weights.safetensors_header import read_header
-
-_PIECE = re.compile(r"^(?P<source>.+)\.use(?P<use>\d+)\.part(?P<part>\d+)$")
-_TARGET_PREFIX = "model."  # the trace wrapper holds the HF model as ``model``
 
 Index = tuple[slice, ...] | None
 
@@ -131,57 +103,12 @@ class StoredTensor:
     shape: tuple[int, ...]
 
 
-def build_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """``build()`` run on the meta device, so no parameter is ever allocated (a 9.4 GB per-layer
-    table costs nothing), then every buffer made real and given its value by transformers' own
-    initialisation (rotary tables, scalars), with the parameters marked as initialised so that
-    they stay on meta."""
-    from transformers import initialization
-
-    with torch.device("meta"), initialization.meta_device_safe_creation_ops():
-        model = build()
-    for name, buffer in list(model.named_buffers()):
-        owner, _, attribute = name.rpartition(".")
-        model.get_submodule(owner)._buffers[attribute] = torch.empty_like(buffer, device="cpu")
-    for parameter in model.parameters():
-        parameter._is_hf_initialized = True
-    model.initialize_weights()
-    return model
-
-
-def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """A module's own buffers that ``state_dict()`` saves."""
-    return [(name, buffer) for name, buffer in module._buffers.items()
-            if buffer is not None and name not in module._non_persistent_buffers_set]
-
-
-def fake_weights(model: torch.nn.Module, buffers: bool) -> None:
-    """Swap each meta parameter, and with ``buffers`` each persistent buffer, for a fake CPU tensor
-    of its shape and dtype: torch.export traces through them, and their values arrive when the
-    package is written. Tied tensors stay one object."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    swapped: dict[int, torch.Tensor] = {}
-
-    def fake_of(tensor: torch.Tensor, parameter: bool) -> torch.Tensor:
-        if id(tensor) not in swapped:
-            with mode:
-                fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-            swapped[id(tensor)] = torch.nn.Parameter(fake, requires_grad=False) if parameter else fake
-        return swapped[id(tensor)]
-
-    for module in model.modules():
-        for name, parameter in list(module._parameters.items()):
-            if parameter is not None and parameter.device.type == "meta":
-                module._parameters[name] = fake_of(parameter, parameter=True)
-        if buffers:
-            for name, buffer in persistent_buffers(module):
-                module._buffers[name] = fake_of(buffer, parameter=False)
-
-
 # q/k RMSNorm scales of a random Gemma 4: at 1.0, attention logits have std ~ sqrt(head_dim) with
 # scaling 1.0, softmax is nearly argmax and the model is chaotic (on full-size E2B a one-ulp fp16
 # nudge of its input moves the logits by 62% relative L2 on one EP), so no two EPs can be compared.
 TEMPERED_QK_NORM_SCALE = 0.25
+
+
 _QK_NORMS = ("q_norm.weight", "k_norm.weight")
 
 
@@ -493,13 +420,17 @@ class SafetensorsWeights:
 
 # safetensors' dtype names of the floating types (torch converts any of them to any other).
 _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
 # safetensors' dtype names -> ONNX's, for the types whose bytes both store alike (little-endian).
 _SAFETENSORS_IR_DTYPES = {
     "F64": ir.DataType.DOUBLE, "F32": ir.DataType.FLOAT, "F16": ir.DataType.FLOAT16, "BF16": ir.DataType.BFLOAT16,
     "I64": ir.DataType.INT64, "I32": ir.DataType.INT32, "I16": ir.DataType.INT16, "I8": ir.DataType.INT8,
     "U8": ir.DataType.UINT8,
 }
-_IR_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _SAFETENSORS_IR_DTYPES.items()}
+
+
+IR_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _SAFETENSORS_IR_DTYPES.items()}
 
 
 def _leading_rows(shape: tuple[int, ...], index: Index) -> tuple[int, int] | None:
@@ -515,263 +446,11 @@ def _leading_rows(shape: tuple[int, ...], index: Index) -> tuple[int, int] | Non
     return start, max(stop - start, 0)
 
 
-def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Every saved tensor name -> the names of the same tensor (itself first)."""
-    groups: dict[int, list[str]] = collections.defaultdict(list)
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups[id(tensor)].append(name)
-    return {name: [name, *(n for n in names if n != name)] for names in groups.values() for name in names}
-
-
-def tensor_names(module: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
-    """Each saved tensor name of ``module`` (a part of ``model``, or a view holding its parts) ->
-    the same tensor's name in ``model``, matched by identity."""
-    saved = model.state_dict(keep_vars=True)
-    in_model: dict[int, str] = {}
-    for name, tensor in saved.items():
-        in_model.setdefault(id(tensor), name)
-    # A tied tensor keeps the name it has in the module where the model has that name too (the
-    # checkpoint may hold it under that one only).
-    return {name: name if saved.get(name) is tensor else in_model[id(tensor)]
-            for name, tensor in module.state_dict(keep_vars=True).items() if id(tensor) in in_model}
-
-
-# Where a weight initializer's placeholder points until ``attach`` gives it its values: a lowered
-# graph holds no weight, so it serializes small and serves any checkpoint of its architecture.
-WEIGHT_PLACEHOLDER = "genai-exporter:weight"
-
-# initializer name -> (saved tensor name, slice of it or None): where ``attach`` reads its values.
-Recipes = dict[str, tuple[str, Index]]
-
-
-def detach(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[str, str] | None = None,
-           real_weights: bool = False) -> Recipes:
-    """Replace every weight initializer's values with a placeholder (an external tensor at
-    ``WEIGHT_PLACEHOLDER``) and say where ``attach`` will read them. Weights are the fake
-    initializers, and with ``real_weights`` (a model traced with its values in memory) every
-    initializer that is a saved tensor of the model or a piece of one; other initializers
-    (constants, non-persistent buffers) keep their values. ``shapes``: the source model's saved
-    tensors; ``names``: the traced module's tensor names -> the source model's (``tensor_names``)."""
-    recipes = _recipes(model, shapes, names or {}, real_weights)
-    for name in recipes:
-        value = model.graph.initializers[name]
-        tensor = value.const_value
-        value.const_value = ir.ExternalTensor(WEIGHT_PLACEHOLDER, offset=None, length=None, dtype=tensor.dtype,
-                                              shape=ir.Shape(tensor.shape.numpy()), name=name)
-    return recipes
-
-
-class WeightReader:
-    """What an attached weight's ``LazyTensor`` calls to get its values: its recipe's tensor from
-    the source, in the initializer's own dtype, read anew at each call (a pass that reads a weight,
-    a transpose or int4 blocks, maps or holds it only while it reads it). ``copied_from``: the
-    checkpoint range the writer copies file to file, where there is one. ``reads`` counts the
-    calls, so that the export knows whether anything but the writer read the values."""
-
-    def __init__(self, source: WeightSource, tensor_name: str, index: Index, name: str, dtype: ir.DataType,
-                 shape: ir.Shape):
-        self.source, self.tensor_name, self.index, self.name = source, tensor_name, index, name
-        self.dtype, self.shape = dtype, shape
-        self.copied_from = source.verbatim_range(tensor_name, index, dtype)
-        self.stored = source.stored_tensor(tensor_name)
-        self.reads = 0
-
-    def __call__(self) -> ir.TensorProtocol:
-        self.reads += 1
-        if stored := self.copied_from:
-            # An absolute path and no base_dir: onnx_ir's containment checks are for files a
-            # model names; this one is the checkpoint's own, which may be a symlink into the
-            # Hugging Face cache's blobs.
-            return ir.ExternalTensor(str(stored.path), stored.offset, stored.length, self.dtype, shape=self.shape,
-                                     name=self.name)
-        return _to_ir(self.source.tensor(self.tensor_name, self.index, to_torch_dtype(self.dtype)), self.name)
-
-
-def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> list[WeightReader]:
-    """Give every placeholder initializer a lazy tensor that reads its recipe's tensor from
-    ``source`` when the package is written, in the initializer's own dtype (a parameter's is the
-    export's compute dtype; an integer buffer stays integer). Returns the readers, one per
-    initializer (``reader.tensor_name``: the saved tensor it reads)."""
-    readers = []
-    for name, (tensor_name, index) in recipes.items():
-        value = model.graph.initializers[name]
-        placeholder = value.const_value
-        if not (isinstance(placeholder, ir.ExternalTensor) and str(placeholder.location) == WEIGHT_PLACEHOLDER):
-            raise RuntimeError(f"initializer {name} is not a weight placeholder")
-        reader = WeightReader(source, tensor_name, index, name, placeholder.dtype, placeholder.shape)
-        value.const_value = ir.LazyTensor(reader, dtype=reader.dtype, shape=reader.shape, name=name)
-        readers.append(reader)
-    return readers
-
-
-@dataclass(frozen=True)
-class DerivedWeight:
-    """An initializer whose bytes are made from one stored checkpoint tensor by steps numpy repeats
-    bit for bit: its cut ``index`` (a ``[start, stop)`` per leading axis, or None), its values in
-    ``dtype`` (a safetensors dtype name: an exact widening, or a rounding to nearest even), then
-    ``steps`` in order, each ``("reshape", dims)``, ``("transpose", perm)`` or ``("cast", dtype)``
-    (``weights.lazy_steps``, numpy's cast in the export too)."""
-
-    stored: StoredTensor
-    index: tuple[tuple[int, int], ...] | None
-    dtype: str
-    steps: tuple[tuple[str, tuple[int, ...]], ...]
-
-
-# Conversions a replay makes with numpy (``exporter.weights.derived_weights``) as torch does: between
-# floating types, where a widening is exact and a narrowing rounds to nearest even in both.
-_DERIVABLE_DTYPES = frozenset({"F32", "F16", "BF16"})
-
-WeightOrigin = FileRange | DerivedWeight
-
-
-@dataclass(frozen=True)
-class WeightOrigins:
-    """Each weight initializer of a model -> where its bytes come from: a checkpoint range copied as
-    it is (``FileRange``), or one checkpoint tensor cut, converted and laid out by steps numpy
-    repeats (``DerivedWeight``). ``origins`` is None where a weight's bytes depend on more than
-    that (``why_not``)."""
-
-    origins: dict[str, WeightOrigin] | None
-    why_not: str | None = None
-
-
-def weight_origins(model: ir.Model, readers: list[WeightReader]) -> WeightOrigins:
-    """Where each weight initializer of ``model`` comes from, where no weight was read by a pass
-    (which may have decided the graph or made another tensor from it) and every initializer made
-    when written is one stored tensor, cut, converted, reshaped or transposed (a folded transpose:
-    ``onnx_passes.fold_weight_transposes``). Called after the passes, before writing."""
-    for reader in readers:
-        if reader.reads:
-            return WeightOrigins(None, f"weight {reader.name} was read by a pass before the package was written")
-    origins: dict[str, WeightOrigin] = {}
-    for name, value in model.graph.initializers.items():
-        if not isinstance(value.const_value, ir.LazyTensor):
-            continue
-        chain = made_from(value.const_value)
-        if chain is None:
-            return WeightOrigins(None, f"initializer {name} is made from weights when written in a way a replay "
-                                       "does not repeat (such as int4 blocks)")
-        reader, steps = chain
-        if reader is None:
-            continue  # a constant, transposed: no weight decides its bytes
-        origin = _origin(reader, steps)
-        if origin is None:
-            return WeightOrigins(None, f"weight {reader.name} is made from the checkpoint in a way a replay does "
-                                       "not repeat (a non-float conversion, several stored tensors, or empty)")
-        origins[name] = origin
-    return WeightOrigins(origins)
-
-
-def made_from(tensor: ir.TensorProtocol) -> tuple[WeightReader | None, tuple] | None:
-    """The weight reader a lazy initializer's chain starts from (None for a constant) and the
-    folded steps applied to it in order; None for any other lazy tensor."""
-    steps = []
-    while isinstance(tensor, ir.LazyTensor):
-        made = tensor.raw
-        if isinstance(made, WeightReader):
-            return made, tuple(reversed(steps))
-        if isinstance(made, TransposedWeight):
-            steps.append(("transpose", tuple(made.perm)))
-        elif isinstance(made, ReshapedWeight):
-            steps.append(("reshape", tuple(made.dims)))
-        elif isinstance(made, CastWeight) and made.dtype in _IR_SAFETENSORS_DTYPES:
-            steps.append(("cast", _IR_SAFETENSORS_DTYPES[made.dtype]))
-        else:
-            return None
-        tensor = made.tensor
-    return None, tuple(reversed(steps))
-
-
-def _origin(reader: WeightReader, steps: tuple) -> WeightOrigin | None:
-    if reader.copied_from is not None and not steps:
-        return reader.copied_from
-    stored, dtype = reader.stored, _IR_SAFETENSORS_DTYPES.get(reader.dtype)
-    if stored is None or dtype is None or math.prod(reader.shape.numpy()) == 0:
-        return None
-    if stored.dtype != dtype and not {stored.dtype, dtype} <= _DERIVABLE_DTYPES:
-        return None
-    index = None
-    if reader.index is not None:
-        index = tuple(s.indices(n)[:2] for s, n in zip(reader.index, stored.shape, strict=False))
-        if any(s.step not in (None, 1) for s in reader.index):
-            return None
-    return DerivedWeight(stored, index, dtype, steps)
-
-
-def recipes_to_json(recipes: Recipes) -> dict[str, list]:
-    return {name: [tensor_name, None if index is None else [[s.start, s.stop] for s in index]]
-            for name, (tensor_name, index) in recipes.items()}
-
-
-def recipes_from_json(data: dict[str, list]) -> Recipes:
-    return {name: (tensor_name, None if index is None else tuple(slice(start, stop) for start, stop in index))
-            for name, (tensor_name, index) in data.items()}
-
-
-def _recipes(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[str, str],
-             real_weights: bool) -> Recipes:
-    recipes: Recipes = {}
-    pieces: dict[tuple[str, str], list[tuple[int, str, tuple[int, ...]]]] = collections.defaultdict(list)
-    for name, value in model.graph.initializers.items():
-        if value.const_value is None:
-            continue
-        if not _is_fake(value.const_value) and not (real_weights and _is_saved_tensor(name, shapes, names)):
-            continue
-        match = _PIECE.match(name)
-        if match:
-            shape = tuple(value.const_value.shape.numpy())
-            pieces[(match["source"], match["use"])].append((int(match["part"]), name, shape))
-        else:
-            recipes[name] = (_tensor_name(name, shapes, names), None)
-    for (target, _), parts in pieces.items():
-        tensor_name = _tensor_name(target, shapes, names)
-        whole = shapes[tensor_name]
-        parts.sort()
-        axis = next(a for a in range(len(whole)) if parts[0][2][a] != whole[a])
-        start = 0
-        for _, name, shape in parts:
-            recipes[name] = (tensor_name, (slice(None),) * axis + (slice(start, start + shape[axis]),))
-            start += shape[axis]
-        if start != whole[axis]:
-            raise RuntimeError(f"pieces of {target} cover {start} of {whole[axis]} along axis {axis}")
-    return recipes
-
-
-def _is_saved_tensor(name: str, shapes, names: dict[str, str]) -> bool:
-    match = _PIECE.match(name)
-    return _saved_name(match["source"] if match else name, names) in shapes
-
-
-def _saved_name(target: str, names: dict[str, str]) -> str:
-    """The source model's name of a program's state-dict target."""
-    name = target.removeprefix(_TARGET_PREFIX)
-    return names.get(name, name)
-
-
-def _tensor_name(target: str, shapes, names: dict[str, str]) -> str:
-    name = _saved_name(target, names)
-    if name not in shapes:
-        raise RuntimeError(f"initializer {target} is no saved tensor of the model")
-    return name
-
-
-def _is_fake(tensor) -> bool:
-    return isinstance(getattr(tensor, "raw", None), FakeTensor)
-
-
 def _sliced_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
     if index is None:
         return shape
     index = index + (slice(None),) * (len(shape) - len(index))
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
-
-
-def _to_ir(tensor: torch.Tensor, name: str) -> ir.TensorProtocol:
-    tensor = tensor.contiguous()
-    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, typed
-        return ir.Tensor(tensor.view(torch.uint16).numpy(), dtype=ir.DataType.BFLOAT16, name=name)
-    return ir.Tensor(tensor.numpy(), name=name)
 
 
 def account(source: WeightSource, attached: int, read: set[str], strict: bool) -> list[str]:
