@@ -58,12 +58,15 @@ class SubstituteGroupQueryAttention:
 
     def __call__(self, program: ExportedProgram, settings: Settings, session) -> tuple[ExportedProgram, dict]:
         layout = settings.layout
-        cores = find_attention_cores(program)
-        if len(cores) != layout.num_layers:
-            raise PassDidNotApply(
-                f"{self.name}: found {len(cores)} attention cores (scaled_dot_product_attention or "
-                f"matmul-softmax-matmul) for {layout.num_layers} decoder layers"
-            )
+        cores, unrecognised = _recognised_cores(program, layout)
+        if unrecognised:
+            # A model this pass was not built for: every layer keeps transformers' attention (a
+            # layer whose core was found may share a cache with one whose core was not, and a
+            # cache is written and read in one layout), and the report says why.
+            plain = {layer: f"its attention was not recognised ({unrecognised})" for layer in range(layout.num_layers)}
+            return program, {"layers": layout.num_layers, "kv_shared_layers": 0, "sliding_window_layers": 0,
+                             "soft_capped_layers": 0, "rotary_in_attention_layers": 0, "window_mask_layers": 0,
+                             "full_span_layers": 0, "substituted_layers": [], "plain_layers": plain}
         windows = _windows(program, cores, layout)
         graph = program.graph
         # Layers GroupQueryAttention cannot take keep their traced attention, and why.
@@ -177,6 +180,22 @@ class SubstituteGroupQueryAttention:
                          "the KV buffer (max_length of them) at each step: the EP's GroupQueryAttention would not "
                          "compute them as the model does (a softcap it drops, or more query rows than it is exact for)")
         return "; ".join(notes) or None
+
+
+def _recognised_cores(program: ExportedProgram, layout) -> tuple[list[AttentionCore], str | None]:
+    """One attention core per decoder layer, each reading a KV cache built as ``cat([past, new])``;
+    or why not (a core of another form, a cache of another layout, a layer without a core)."""
+    try:
+        cores = find_attention_cores(program)
+        for core in cores:
+            cache_concat(core.key), cache_concat(core.value)
+    except PassDidNotApply as error:
+        return [], str(error)
+    layers = sorted(c.layer for c in cores if c.layer is not None)
+    if len(cores) != layout.num_layers or layers != list(range(layout.num_layers)):
+        return [], (f"found {len(cores)} attention cores (scaled_dot_product_attention or matmul-softmax-matmul) "
+                    f"for {layout.num_layers} decoder layers")
+    return cores, None
 
 
 def _graph_window(core: AttentionCore, window: int, kernel, slots: int) -> int:

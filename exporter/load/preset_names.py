@@ -15,6 +15,7 @@ PRESET_NAMES = frozenset({
     "tiny-gemma-4-multimodal",
     "tiny-gemma2",
     "tiny-gpt-neox",
+    "tiny-gpt-oss",
     "tiny-granite",
     "tiny-llama",
     "tiny-llama4",

@@ -294,6 +294,18 @@ PRESETS: dict[str, Preset] = {
             _small(transformers.GPTNeoXConfig, num_key_value_heads=None, rotary_pct=0.25),
         ),
         Preset(
+            "tiny-gpt-oss",
+            "4-layer gpt-oss (learned attention sinks, alternating sliding and full layers, YaRN rotary, 4 routed "
+            "experts with biases and a clamped SwiGLU, top 2)",
+            # The clamp at 0.5, not gpt-oss's 7: tiny random activations reach it, so the tests see it act.
+            _small(transformers.GptOssConfig, head_dim=16, intermediate_size=64, num_local_experts=4,
+                   num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5,
+                   layer_types=["sliding_attention", "full_attention"] * 2,
+                   rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 64,
+                                    "rope_theta": 150000.0}),
+        ),
+        Preset(
             "tiny-smollm3",
             "4-layer SmolLM3 (every fourth layer without rotary: NoPE)",
             _small(transformers.SmolLM3Config, no_rope_layer_interval=4),

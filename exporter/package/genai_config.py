@@ -50,7 +50,7 @@ def build_genai_config(settings, generation_config: Any, sections: dict[str, dic
         )
     context_length = settings.context_length
     model = {
-        "bos_token_id": bos,
+        **({} if bos is None else {"bos_token_id": bos}),  # GenAI refuses a null; a model without one omits it
         "context_length": context_length,
         **sections,
         "eos_token_id": eos,

@@ -110,3 +110,19 @@ def test_generation_settings_keep_a_set_zero(preset_exports):
     assert config["search"]["top_k"] == layout.vocab_size
     assert (config["search"]["top_p"], config["search"]["temperature"]) == (0.9, 0.7)
     assert config["model"]["eos_token_id"] == [1, 106]
+
+
+def test_a_model_without_a_bos_token_leaves_it_out(preset_exports):
+    """ONNX Runtime GenAI 0.18 refuses a null bos_token_id ("Expected a number but saw a null") and
+    loads a config without one (measured on a gpt-oss package); a model without one omits it."""
+    import transformers
+
+    from exporter.package.genai_config import build_genai_config
+    from exporter.plan import export_settings
+
+    layout = preset_exports.get("tiny-gemma-4").package.layout
+    settings = export_settings(get_profile("cpu"), layout, "fp32")
+    without = build_genai_config(settings, transformers.GenerationConfig(eos_token_id=1), {})
+    assert "bos_token_id" not in without["model"]
+    with_bos = build_genai_config(settings, transformers.GenerationConfig(eos_token_id=1, bos_token_id=2), {})
+    assert with_bos["model"]["bos_token_id"] == 2
