@@ -74,6 +74,18 @@ def text_config(config):
     return config.get_text_config(decoder=True)
 
 
+def non_kv_state_layers(model: PreTrainedModel) -> list[int]:
+    """The layers whose state is not a key/value cache: a convolution or recurrent state (hybrids
+    such as LFM2, Qwen3-Next, Mamba hybrids), found in the cache transformers builds for the model."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    try:
+        cache = DynamicCache(config=text_config(model.config))
+    except Exception:  # noqa: BLE001 - a config the cache cannot read: the layout probe says more
+        return []
+    return [index for index, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
 def derive_layout(model: PreTrainedModel) -> DecoderLayout:
     config = text_config(model.config)
     cache = DynamicCache()

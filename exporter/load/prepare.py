@@ -13,7 +13,7 @@ import transformers
 from exporter.errors import ExporterError
 from exporter.load.activation_ranges import ActivationRanges, calibrate
 from exporter.load.compute_dtype import cast_like_from_pretrained
-from exporter.load.layout import DecoderLayout, causal_lm_view, derive_layout
+from exporter.load.layout import DecoderLayout, causal_lm_view, derive_layout, non_kv_state_layers, text_config
 from exporter.load.sources import LoadedModel
 from exporter.weights.meta_model import fake_weights
 from exporter.weights.sources import ModelWeights, WeightSource
@@ -52,6 +52,12 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         loaded.notes.append(f"weights converted to {str(dtype).removeprefix('torch.')} for tracing "
                             "(a copy; the model is unchanged)")
     decoder = causal_lm_view(model) if loaded.multimodal else model
+    if stateful := non_kv_state_layers(decoder):
+        raise ExporterError(
+            f"{text_config(decoder.config).model_type} keeps a convolution or recurrent state, not a key/value "
+            f"cache, in {len(stateful)} of its layers ({', '.join(map(str, stateful[:8]))}"
+            f"{', ...' if len(stateful) > 8 else ''}): ONNX Runtime GenAI's decoder carries key/value caches only, "
+            "so this exporter refuses the model")
     try:
         layout = derive_layout(decoder)
     except Exception as error:

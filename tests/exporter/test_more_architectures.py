@@ -209,3 +209,25 @@ def test_unnormalised_routing_reaches_onnx_runtime_unnormalised(tmp_path):
     assert len(moes) == 3
     assert all(a.i == 0 for n in moes for a in n.attribute if a.name == "normalize_routing_weights")
     check_parity(package, model)
+
+
+@pytest.mark.parametrize("config", [
+    transformers.Lfm2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2,
+                            layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    transformers.Qwen3NextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+                                 linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+], ids=["lfm2-convolution", "qwen3-next-linear-attention"])
+def test_a_hybrid_with_a_non_kv_state_is_refused_in_one_specific_line(config, tmp_path, capsys):
+    """A convolution or recurrent layer state is not a KV cache, which is all GenAI's decoder
+    carries: exit 2, one line saying so (not the layout probe's "please report it"), nothing written."""
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    _, tokenizer = build_preset("tiny-llama")
+    folder = save_checkpoint(model, tokenizer, tmp_path / "checkpoint")
+    assert main([str(folder), "-o", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "keeps a convolution or recurrent state, not a key/value cache" in lines[-1]
+    assert "carries key/value caches only" in lines[-1] and "report it" not in lines[-1]
+    assert not (tmp_path / "out").exists()
