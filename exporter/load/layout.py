@@ -17,6 +17,7 @@ import torch
 import transformers
 from transformers import DynamicCache, PreTrainedModel
 
+from exporter.errors import ExporterError
 from exporter.load.experts import traceable_experts
 
 
@@ -74,6 +75,26 @@ def text_config(config):
     return config.get_text_config(decoder=True)
 
 
+@contextlib.contextmanager
+def _buffers_on(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Every buffer on ``device`` for the probe, put back after. A model built on the meta device
+    keeps its buffers real (``exporter.weights.meta_model.build_on_meta``), and a module that adds
+    a buffer to a parameter's product (a router's score-correction bias: DeepSeek-V3, GLM-4-MoE)
+    would mix devices; only shapes matter to the probe."""
+    if device.type != "meta":
+        yield
+        return
+    moved = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()
+             if buffer is not None and buffer.device != device]
+    for module, name, buffer in moved:
+        module._buffers[name] = buffer.to(device)
+    try:
+        yield
+    finally:
+        for module, name, buffer in moved:
+            module._buffers[name] = buffer
+
+
 def non_kv_state_layers(model: PreTrainedModel) -> list[int]:
     """The layers whose state is not a key/value cache: a convolution or recurrent state (hybrids
     such as LFM2, Qwen3-Next, Mamba hybrids), found in the cache transformers builds for the model."""
@@ -91,7 +112,7 @@ def derive_layout(model: PreTrainedModel) -> DecoderLayout:
     cache = DynamicCache()
     param = next(model.parameters())
     probe_ids = torch.zeros((1, 2), dtype=torch.long, device=param.device)
-    with torch.no_grad(), eval_mode(model), traceable_experts(model):
+    with torch.no_grad(), eval_mode(model), traceable_experts(model), _buffers_on(model, param.device):
         model(input_ids=probe_ids, cache=cache, use_cache=True)
 
     kv_layers = []
@@ -100,6 +121,12 @@ def derive_layout(model: PreTrainedModel) -> DecoderLayout:
         if keys is None or keys.numel() == 0:
             continue
         _, num_kv_heads, _, head_dim = keys.shape
+        value_head_dim = int(layer.values.shape[-1])
+        if value_head_dim != head_dim:
+            raise ExporterError(
+                f"{config.model_type} caches keys of {head_dim} and values of {value_head_dim} per head (layer {index}; "
+                "multi-head latent attention has such caches): ONNX Runtime GenAI's decoder takes one head size for "
+                "both, so this exporter refuses the model")
         kv_layers.append(KvLayer(index, int(num_kv_heads), int(head_dim)))
     if not kv_layers:
         raise RuntimeError("no layer stored keys in the cache (the exporter reads the KV layout from what the "

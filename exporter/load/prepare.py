@@ -60,6 +60,8 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
             "so this exporter refuses the model")
     try:
         layout = derive_layout(decoder)
+    except ExporterError:
+        raise  # a model the exporter refuses, said as such
     except Exception as error:
         # The exporter's own step failed, whatever the cause: say which step, and what it raised.
         raise ExporterError(

@@ -231,3 +231,46 @@ def test_a_hybrid_with_a_non_kv_state_is_refused_in_one_specific_line(config, tm
     assert "keeps a convolution or recurrent state, not a key/value cache" in lines[-1]
     assert "carries key/value caches only" in lines[-1] and "report it" not in lines[-1]
     assert not (tmp_path / "out").exists()
+
+
+def _glm4_moe_config():
+    return transformers.Glm4MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=256, eos_token_id=1, bos_token_id=2,
+        pad_token_id=0)  # the ids the tests pad with (exporter.load.presets: PAD_ID, EOS_ID, BOS_ID)
+
+
+@pytest.mark.l4
+def test_a_router_with_a_score_correction_buffer_exports_from_a_folder(tmp_path):
+    """GLM-4-MoE's router adds a saved buffer (``e_score_correction_bias``) to the product of a
+    parameter: built on the meta device, the layout probe mixed devices there ("expected device
+    meta!"). The probe now runs with the buffers on the meta device too; GenAI's greedy tokens equal
+    transformers' on the folder's weights, the buffer moved off its zeros."""
+    from test_generation import _genai_greedy, _transformers_greedy
+
+    model = transformers.AutoModelForCausalLM.from_config(_glm4_moe_config())
+    assert "e_score_correction_bias" in " ".join(move_constant_tensors(model, 5))
+    _, tokenizer = build_preset("tiny-llama")
+    folder = save_checkpoint(model, tokenizer, tmp_path / "checkpoint")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    package = export(str(folder), output_dir=tmp_path / "out", strict=True, cache=False)
+    prompts = [[2, 12, 99, 415, 260, 48, 77, 301, 5, 188], [2, 37, 101]]
+    expected = _transformers_greedy(reloaded, prompts, no_early_end=True)
+    assert _genai_greedy(package.path, prompts, no_early_end=True) == expected
+
+
+def test_latent_attention_with_other_value_heads_is_refused_in_one_line(tmp_path, capsys):
+    """DeepSeek-V3's multi-head latent attention caches keys and values of different head sizes;
+    GenAI's decoder config has one head_size: exit 2 with that reason, nothing written."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256)
+    _, tokenizer = build_preset("tiny-llama")
+    folder = save_checkpoint(transformers.AutoModelForCausalLM.from_config(config), tokenizer, tmp_path / "checkpoint")
+    assert main([str(folder), "-o", str(tmp_path / "out")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "deepseek_v3 caches keys of" in line and "takes one head size for both" in line
+    assert "report it" not in line and not (tmp_path / "out").exists()
