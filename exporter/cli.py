@@ -19,9 +19,10 @@ from exporter.cache.cache_folder import chosen_folder
 from exporter.errors import ExporterError, environment_error
 from exporter.int4_options import INT4_METHODS, Int4Options
 from exporter.load.preset_names import DEFAULT_PRESET, PRESET_NAMES
+from exporter.options import ExportOptions, ResolvedOptions
 from exporter.package.files import REPORT_FILENAME
 from exporter.package.report import describe_graph_cache, package_summary
-from exporter.precisions import PRECISIONS, choose_precision, int4_options
+from exporter.precisions import PRECISIONS
 
 # The command line imports torch and transformers only once it exports something, so that a
 # replayed export (``exporter.cache.replay``) never does.
@@ -40,13 +41,42 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_PRESET,
         help=f"preset name, alias, local HF folder or hub id (default: {DEFAULT_PRESET}, offline)",
     )
+    parser.add_argument("-o", "--output", type=Path, metavar="DIR",
+                        help="package folder to create (default: ./<model>-<ep>-<precision>)")
+    _add_option_flags(parser)
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--no-cache", dest="cache", action="store_false",
+                       help="do not read or keep lowered graphs and replays in the cache (by default a re-export "
+                            "of the same architecture and options with other weights reuses the graph, and a "
+                            "folder whose other files are the same replays the package: "
+                            "$XDG_CACHE_HOME/genai-exporter/graphs; off also with GENAI_EXPORTER_NO_CACHE=1)")
+    cache.add_argument("--cache-dir", type=Path, metavar="DIR",
+                       help="keep the cache in DIR instead (used even where GENAI_EXPORTER_NO_CACHE is set)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds an earlier package")
+    parser.add_argument("--allow-pickled-weights", action="store_true",
+                        help="load pickled .bin weights, which can run arbitrary code; only for sources you trust")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="build the model's architecture from its config with random weights (no weights "
+                             "downloaded or read; gemma-4-e2b's config ships with the exporter): for checking "
+                             "full-size packages offline")
+    parser.add_argument("--strict", action="store_true",
+                        help="fail if the checkpoint holds a tensor the export would not read (renamed or "
+                             "unconverted keys); by default the report and a note list them")
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON summary on stdout (package, sessions, sizes, passes, timings, notes; "
+                             "on failure: ok false, the exit code and the error) instead of the text summary")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on failure")
+    return parser
+
+
+def _add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ExportOptions`` that decide the plan, shared by the export and ``plan`` parsers
+    (``_options`` reads them back)."""
     parser.add_argument("--ep", default="cpu", metavar="EP",
                         help=f"execution provider profile: {', '.join(PROFILES)} (default: cpu; `list` describes them)")
     parser.add_argument("--no-graph-capture", dest="graph_capture", action="store_false",
                         help="for an EP profile that captures the decoder's graph (webgpu): export without "
                              "graph capture (some shape work may then run on the CPU)")
-    parser.add_argument("-o", "--output", type=Path, metavar="DIR",
-                        help="package folder to create (default: ./<model>-<ep>-<precision>)")
     parser.add_argument("--precision", choices=PRECISIONS,
                         help="fp32, fp16, bf16 (the graph computes in it), int4 (4-bit weights, fp16 "
                              "activations; fp32 on cpu) or int8 (8-bit weights, as int4's activations); "
@@ -72,27 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the context GenAI allocates and generates to (genai_config's context_length and "
                              "max_length; default: the model's own, capped by the EP's default, `list`); the "
                              "report gives the KV cache's size at it")
-    cache = parser.add_mutually_exclusive_group()
-    cache.add_argument("--no-cache", dest="cache", action="store_false",
-                       help="do not read or keep lowered graphs and replays in the cache (by default a re-export "
-                            "of the same architecture and options with other weights reuses the graph, and a "
-                            "folder whose other files are the same replays the package: "
-                            "$XDG_CACHE_HOME/genai-exporter/graphs; off also with GENAI_EXPORTER_NO_CACHE=1)")
-    cache.add_argument("--cache-dir", type=Path, metavar="DIR",
-                       help="keep the cache in DIR instead (used even where GENAI_EXPORTER_NO_CACHE is set)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds an earlier package")
     parser.add_argument("--full-logits", action="store_true",
                         help="output logits for every position (for scoring); by default only each "
                              "sequence's last token, which is all generation reads and much faster to prefill")
-    parser.add_argument("--allow-pickled-weights", action="store_true",
-                        help="load pickled .bin weights, which can run arbitrary code; only for sources you trust")
-    parser.add_argument("--random-weights", action="store_true",
-                        help="build the model's architecture from its config with random weights (no weights "
-                             "downloaded or read; gemma-4-e2b's config ships with the exporter): for checking "
-                             "full-size packages offline")
-    parser.add_argument("--strict", action="store_true",
-                        help="fail if the checkpoint holds a tensor the export would not read (renamed or "
-                             "unconverted keys); by default the report and a note list them")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the checkpoint's own Python code (transformers' trust_remote_code)")
     parser.add_argument("--text-only", action="store_true",
@@ -101,11 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--int4-encoders", action="store_true",
                         help="with --precision int4 or int8, quantize the vision and speech towers too (by default they "
                              "stay at the activation precision: int4 audio towers hurt speech quality)")
-    parser.add_argument("--json", action="store_true",
-                        help="print a JSON summary on stdout (package, sessions, sizes, passes, timings, notes; "
-                             "on failure: ok false, the exit code and the error) instead of the text summary")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on failure")
-    return parser
 
 
 def program() -> str:
@@ -166,29 +173,23 @@ def _plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"{program()} plan",
                                      description="Print the passes an export would run, without exporting.")
     parser.add_argument("model", nargs="?", default=DEFAULT_PRESET, help="as for an export")
-    parser.add_argument("--ep", default="cpu", metavar="EP", help="EP profile (default: cpu)")
-    parser.add_argument("--precision", choices=PRECISIONS, help="default: the EP's first")
-    parser.add_argument("--no-graph-capture", dest="graph_capture", action="store_false")
-    parser.add_argument("--full-logits", action="store_true")
-    parser.add_argument("--trust-remote-code", action="store_true")
-    parser.add_argument("--text-only", action="store_true")
-    parser.add_argument("--int4-encoders", action="store_true")
+    _add_option_flags(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
-        profile = get_profile(args.ep)
-        precision = choose_precision(profile, args.precision)
-        if args.int4_encoders and POLICIES[precision].weight_bits is None:
-            raise ExporterError(f"--int4-encoders applies to --precision int4 or int8, not {precision}")
+        options = _options(args)
+        resolved = options.resolve()
+        profile, precision = resolved.profile, resolved.precision
         # The plan needs the model's structure only: its config, never its weights.
-        loaded = load(args.model, options=LoadOptions(trust_remote_code=args.trust_remote_code, random_weights=True,
-                                                      text_only=args.text_only))
+        loaded = load(args.model, options=LoadOptions(trust_remote_code=options.trust_remote_code,
+                                                      random_weights=True, text_only=options.text_only))
         layout = prepare(loaded, POLICIES[precision].compute_dtype(profile)).layout
-        settings = export_settings(profile, layout, precision, graph_capture=args.graph_capture,
-                                   full_logits=args.full_logits, int4=int4_options(profile, precision, None),
-                                   multimodal=loaded.multimodal, int4_encoders=args.int4_encoders)
+        settings = export_settings(profile, layout, precision, graph_capture=options.graph_capture,
+                                   full_logits=options.full_logits, int4=resolved.int4,
+                                   multimodal=loaded.multimodal, int4_encoders=options.int4_encoders,
+                                   max_length=options.max_length)
         plan = make_plan(settings)
-    except (ExporterError, UnknownProfileError) as error:
+    except ExporterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.to_text())
@@ -201,28 +202,43 @@ def _roles(text: str) -> tuple[str, ...]:
     return () if roles == ("none",) else roles
 
 
-def _int4_options(args, profile, precision: str) -> Int4Options | None:
+def _options(args) -> ExportOptions:
+    """The ``ExportOptions`` the flags ask for (``_add_option_flags``; the export parser's others too).
+    An ``--int4-*`` flag at another precision is named in the error."""
     given = [flag for flag, value in (("--int4-block-size", args.int4_block_size),
                                       ("--int4-asymmetric/--int4-symmetric", args.int4_symmetric),
                                       ("--int4-accuracy-level", args.int4_accuracy_level),
                                       ("--int4-method", args.int4_method),
                                       ("--int4-8bit", args.int4_8bit)) if value is not None]
-    if precision != "int4":
-        if given:
+    int4 = None
+    if given:
+        precision = args.precision or _profile_precision(args.ep)
+        if precision != "int4":
             raise ExporterError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --precision int4, "
                                 f"not {precision}")
-        return None
+        try:
+            int4 = Int4Options(
+                block_size=args.int4_block_size or Int4Options.block_size,
+                symmetric=Int4Options.symmetric if args.int4_symmetric is None else args.int4_symmetric,
+                accuracy_level=args.int4_accuracy_level,
+                method=args.int4_method or Int4Options.method,
+                eight_bit=Int4Options.eight_bit if args.int4_8bit is None else args.int4_8bit,
+            )
+        except ValueError as error:
+            raise ExporterError(str(error)) from error
+    return ExportOptions(ep=args.ep, precision=args.precision, graph_capture=args.graph_capture,
+                         full_logits=args.full_logits, int4=int4, int4_encoders=args.int4_encoders,
+                         max_length=args.max_length, text_only=args.text_only,
+                         strict=getattr(args, "strict", False), random_weights=getattr(args, "random_weights", False),
+                         trust_remote_code=args.trust_remote_code,
+                         allow_pickled_weights=getattr(args, "allow_pickled_weights", False))
+
+
+def _profile_precision(ep: str) -> str:
     try:
-        options = Int4Options(
-            block_size=args.int4_block_size or Int4Options.block_size,
-            symmetric=Int4Options.symmetric if args.int4_symmetric is None else args.int4_symmetric,
-            accuracy_level=args.int4_accuracy_level,
-            method=args.int4_method or Int4Options.method,
-            eight_bit=Int4Options.eight_bit if args.int4_8bit is None else args.int4_8bit,
-        )
-    except ValueError as error:
+        return get_profile(ep).default_precision
+    except UnknownProfileError as error:
         raise ExporterError(str(error)) from error
-    return int4_options(profile, precision, options)
 
 
 def run() -> None:
@@ -258,20 +274,18 @@ def main(argv: list[str] | None = None, *, replays: bool = False) -> int:
         parser.error = json_error
     args = parser.parse_args(argv)
     try:
-        profile = get_profile(args.ep)
-        precision = choose_precision(profile, args.precision)
-        int4 = _int4_options(args, profile, precision)
-        if args.int4_encoders and PRECISIONS[precision].weight_bits is None:
-            raise ExporterError(f"--int4-encoders applies to --precision int4 or int8, not {precision}")
-    except (ExporterError, UnknownProfileError) as error:
+        options = _options(args)
+        resolved = options.resolve()
+    except ExporterError as error:
         return _failed(args, str(error), 2)
+    precision = resolved.precision
     # A folder's own name (`.` resolved), a hub id's last part, or the preset's name.
     model_path = Path(str(args.model))
     model_name = model_path.resolve().name if model_path.exists() else model_path.name
     output = args.output or Path(f"{model_name}-{args.ep}-{precision}")
     print(f"Exporting {args.model} for {args.ep} into {output}", file=sys.stderr)
     with _sigterm_as_interrupt():
-        return _export(args, output, int4, _replay_inputs(args, precision, int4) if replays else None)
+        return _export(args, output, options, _replay_inputs(args, options, resolved) if replays else None)
 
 
 class Terminated(KeyboardInterrupt):
@@ -302,7 +316,7 @@ class ReplayInputs:
     ingredients: dict
 
 
-def _replay_inputs(args, precision: str, int4: Int4Options | None) -> ReplayInputs | None:
+def _replay_inputs(args, options: ExportOptions, resolved: ResolvedOptions) -> ReplayInputs | None:
     """The replay key's inputs, where this command could replay or record one: a folder of
     safetensors, the cache on, and no option that builds or runs other code."""
     if not args.cache or args.random_weights or args.trust_remote_code or str(args.model) in PRESET_NAMES:
@@ -314,17 +328,13 @@ def _replay_inputs(args, precision: str, int4: Int4Options | None) -> ReplayInpu
             return None
     except Exception:
         return None
-    options = {"ep": args.ep, "precision": precision, "graph_capture": args.graph_capture,
-               "full_logits": args.full_logits, "strict": args.strict, "text_only": args.text_only,
-               "int4": dataclasses.asdict(int4) if int4 else None, "int4_encoders": args.int4_encoders,
-               "max_length": args.max_length, "allow_pickled_weights": args.allow_pickled_weights}
     try:
-        return ReplayInputs(root, folder, replay.fingerprint(folder, options))
+        return ReplayInputs(root, folder, replay.fingerprint(folder, options.replay_key(resolved)))
     except Exception:  # an unreadable file, or not safetensors: the export says what is wrong
         return None
 
 
-def _export(args, output: Path, int4, replay_inputs: ReplayInputs | None) -> int:
+def _export(args, output: Path, options: ExportOptions, replay_inputs: ReplayInputs | None) -> int:
     replayed = None
     try:
         if replay_inputs is not None:
@@ -332,7 +342,7 @@ def _export(args, output: Path, int4, replay_inputs: ReplayInputs | None) -> int
             replayed = replay.replay(replay_inputs.root, replay_inputs.ingredients, replay_inputs.folder, output,
                                      args.overwrite)
         if replayed is None:
-            result = _full_export(args, output, int4)
+            result = _full_export(args, output, options)
     except ExporterError as error:
         if args.debug:
             raise
@@ -358,29 +368,12 @@ def _export(args, output: Path, int4, replay_inputs: ReplayInputs | None) -> int
     return _print_result(args, result.path, result.report)
 
 
-def _full_export(args, output: Path, int4):
+def _full_export(args, output: Path, options: ExportOptions):
     """The export itself: torch and transformers are imported here, once a replay did not serve."""
     from exporter.pipeline import export
 
-    return export(
-        args.model,
-        ep=args.ep,
-        graph_capture=args.graph_capture,
-        precision=args.precision,
-        output_dir=output,
-        overwrite=args.overwrite,
-        full_logits=args.full_logits,
-        allow_pickled_weights=args.allow_pickled_weights,
-        random_weights=args.random_weights,
-        strict=args.strict,
-        trust_remote_code=args.trust_remote_code,
-        int4=int4,
-        text_only=args.text_only,
-        int4_encoders=args.int4_encoders,
-        progress=True,
-        max_length=args.max_length,
-        cache=(args.cache_dir or True) if args.cache else False,
-    )
+    return export(args.model, output_dir=output, overwrite=args.overwrite, progress=True,
+                  cache=(args.cache_dir or True) if args.cache else False, **options.keywords())
 
 
 def _record_replay(inputs: ReplayInputs, result) -> str:

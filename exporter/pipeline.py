@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from ep_profiles import EpProfile, get_profile
-from ep_profiles.registry import UnknownProfileError
+from ep_profiles import EpProfile
 from exporter.cache import graph_cache
 from exporter.errors import ExporterBug, ExporterError, environment_error
 from exporter.int4_options import Int4Options
@@ -27,13 +26,14 @@ from exporter.load.layout import DecoderLayout
 from exporter.load.prepare import prepare
 from exporter.load.sources import LoadOptions, load
 from exporter.lower.torch_onnx import lower
+from exporter.options import ExportOptions
 from exporter.onnx_passes import ONNX_PASSES, FusionDidNotApply, run_onnx_passes
 from exporter.package import destination
 from exporter.package import files as package
 from exporter.package.genai_config import FALLBACK_DECODER_TYPE, build_genai_config, genai_model_type
 from exporter.package.report import ExportReport, SessionReport, package_summary
 from exporter.plan import ExportPlan, ExportSettings, export_settings, make_plan
-from exporter.precisions import PRECISIONS, choose_precision, int4_options
+from exporter.precisions import PRECISIONS
 from exporter.progress import ProgressDisplay
 from exporter.sessions import SESSIONS
 from exporter.stages import StageLog, StageRecord
@@ -147,13 +147,12 @@ def export(
     ``GENAI_EXPORTER_NO_CACHE=1``), a folder, or False for none. Every file of a package but its
     report is byte-identical whether or not its graphs came from the cache.
     """
-    profile = _profile(ep)
-    precision = choose_precision(profile, precision)
-    int4 = int4_options(profile, precision, int4)
-    if int4_encoders and PRECISIONS[precision].weight_bits is None:
-        raise ExporterError(f"int4_encoders applies to precision int4 or int8, not {precision}")
-    if max_length is not None and max_length < 1:
-        raise ExporterError(f"max_length must be 1 or more, not {max_length}")
+    options = ExportOptions(ep=ep, precision=precision, graph_capture=graph_capture, full_logits=full_logits,
+                            int4=int4, int4_encoders=int4_encoders, max_length=max_length, text_only=text_only,
+                            strict=strict, random_weights=random_weights, trust_remote_code=trust_remote_code,
+                            allow_pickled_weights=allow_pickled_weights)
+    resolved = options.resolve()
+    profile, precision, int4 = resolved.profile, resolved.precision, resolved.int4
     cache_folder = graph_cache.chosen_folder(cache)
     output_dir = Path(output_dir)
     target = destination.check_destination(output_dir, overwrite)
@@ -416,13 +415,6 @@ def _with_findings(settings: ExportSettings, session, session_plan, fx_records: 
 def _stage(step: str, session, settings: ExportSettings) -> str:
     """A step's stage name: the step itself in a one-session package, ``step:session`` otherwise."""
     return f"{step}:{session.name}" if settings.multimodal else step
-
-
-def _profile(ep: str | EpProfile) -> EpProfile:
-    try:
-        return ep if isinstance(ep, EpProfile) else get_profile(ep)
-    except UnknownProfileError as error:
-        raise ExporterError(str(error)) from error
 
 
 def _new_report(loaded, settings: ExportSettings, plan: ExportPlan) -> ExportReport:

@@ -21,7 +21,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from exporter.errors import ExporterError
 from exporter.load.peft_models import is_peft_model
 from exporter.pipeline import ExportedPackage, export
-from exporter.precisions import choose_precision
+from exporter.options import ExportOptions
+
+_OPTION_NAMES = set(ExportOptions.__dataclass_fields__)  # what resolve() checks at construction
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +50,9 @@ class ExportOnSave(transformers.TrainerCallback):
             raise ValueError(f"every must be 1 or more, not {every}")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
-        from ep_profiles import get_profile
-        from ep_profiles.registry import UnknownProfileError
-
-        try:  # at construction, not at the first save hours into training
-            self.precision = choose_precision(get_profile(ep), precision)
-        except UnknownProfileError as error:
-            raise ExporterError(str(error)) from error
+        # Resolved at construction, not at the first save hours into training.
+        known = {name: value for name, value in export_options.items() if name in _OPTION_NAMES}
+        self.precision = ExportOptions(ep=ep, precision=precision, **known).resolve().precision
         self.ep, self.every, self.folder = ep, every, folder
         self.tokenizer, self.on_error, self.overwrite = tokenizer, on_error, overwrite
         self.export_options = export_options

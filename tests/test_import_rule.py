@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("exporter", "fx_passes", "ep_profiles")
 
@@ -24,6 +26,7 @@ LAYERS = {
     "exporter.errors": 1,
     "exporter": 2,  # the package's __init__: errors and options, the rest lazily
     "exporter.precisions": 2,
+    "exporter.options": 3,  # what a caller asks for, resolved against profiles and precisions
     # the stages, in the order an export runs them
     "exporter.weights": 2,
     "exporter.load": 3, "fx_passes": 3,
