@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from exporter.weights.derived_weights import NotRepeatable, derived_chunks, derived_length
 from exporter.weights.safetensors_header import read_header
 
-pytestmark = pytest.mark.l1
+pytestmark = [pytest.mark.l1, pytest.mark.unit]
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 

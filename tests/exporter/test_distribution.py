@@ -11,7 +11,7 @@ import pytest
 from exporter.precisions import DistributionBounds
 from exporter.verify.distribution import DistributionTotals
 
-pytestmark = pytest.mark.l1
+pytestmark = [pytest.mark.l1, pytest.mark.unit]
 
 BOUNDS = DistributionBounds(mean_kl=0.1, top1=0.5, perplexity_ratio=1.2)
 

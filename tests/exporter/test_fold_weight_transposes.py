@@ -23,6 +23,8 @@ from exporter.plan import export_settings
 from exporter.precisions import int4_options
 from exporter.sessions import SESSIONS
 
+pytestmark = pytest.mark.unit
+
 IN, OUT, ROWS = 8, 16, 3
 WEIGHT = np.random.default_rng(0).standard_normal((OUT, IN)).astype(np.float32) * 1.7  # [out, in], as nn.Linear
 

@@ -19,6 +19,8 @@ from ep_profiles import get_profile
 from exporter.lower.torch_onnx import lower
 from exporter.onnx_passes.omit_unread_presents import OmitUnreadPresents
 
+pytestmark = pytest.mark.unit
+
 NUM_HEADS, KV_HEADS, HEAD, SLOTS = 4, 2, 16, 32  # ONNX Runtime rotates heads of 16k
 TOLERANCE = 1e-5  # fp32, one attention: different summation orders only
 INPUTS = ("query", "past_key", "past_value", "attention_mask")

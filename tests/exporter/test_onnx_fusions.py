@@ -15,7 +15,7 @@ from exporter.onnx_passes import ONNX_PASSES, run_onnx_passes
 from exporter.onnx_passes.norm_fusions import FusionDidNotApply
 from exporter.sessions import SESSIONS
 
-pytestmark = pytest.mark.l3
+pytestmark = [pytest.mark.l3, pytest.mark.unit]
 
 D = 8
 # What the norm-fusion passes read of the plan: the profile's norm fusions.

@@ -16,6 +16,8 @@ from exporter.load.presets import build_preset
 from exporter.plan import export_settings, make_plan
 from exporter.precisions import int4_options
 
+pytestmark = pytest.mark.unit
+
 CLEANUP = ["drop_runtime_asserts", "drop_noop_casts", "fold_untranslatable_constants", "complex_as_real_pairs"]
 GQA = "substitute_group_query_attention"
 MOE = "substitute_mixture_of_experts"

@@ -14,6 +14,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from exporter.onnx_passes.static_reshape_targets import StaticReshapeTargets
 from exporter.verify.postconditions import cpu_placed_nodes
 
+pytestmark = pytest.mark.unit
+
 
 def _model(target_dims: list, output_dims: list) -> ir.Model:
     """x [B, S, 32] reshaped to a target built from x's own dims (ints are constants, "B"/"S" read

@@ -24,6 +24,8 @@ from exporter.onnx_passes.schema_types import dtype_refusals
 from exporter.onnx_passes.widen_unsupported_dtypes import WidenUnsupportedDtypes
 from exporter.verify.postconditions import require
 
+pytestmark = pytest.mark.unit
+
 BF16_STEP = 2.0**-8
 
 

@@ -12,6 +12,8 @@ from exporter.trace.decoder import make_inputs, trace
 from fx_passes import FX_PASSES, run_fx_passes
 from helpers.plan_settings import DECODER, pass_settings
 
+pytestmark = pytest.mark.unit
+
 ASSERT = torch.ops.aten._assert_tensor_metadata.default
 CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.type_as.default)
 

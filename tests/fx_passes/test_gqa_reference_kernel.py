@@ -15,6 +15,8 @@ from onnx import TensorProto, helper
 
 import fx_passes.custom_ops.ops  # noqa: F401  (registers the custom ops)
 
+pytestmark = pytest.mark.unit
+
 NUM_HEADS, KV_HEADS, HEAD = 4, 2, 8
 TOLERANCE = 1e-5  # fp32, one attention: different summation orders only
 

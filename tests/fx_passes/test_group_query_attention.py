@@ -204,9 +204,11 @@ def test_mask_probe_reads_causal_and_sliding_masks():
 
 
 @pytest.mark.l1
-def test_substitution_refuses_attention_it_cannot_express():
+def test_attention_it_cannot_express_stays_plain_not_dropped():
     """An op between the scores and the softmax that GroupQueryAttention has no input for (here
-    an extra bias added to the gemma2 scores) must fail the export, not be dropped."""
+    an extra bias added to the gemma2 scores) is never dropped: the pass leaves every layer with
+    transformers' attention, that op included, and says why (a model the pass was not built for
+    exports plain instead of failing)."""
     model, _ = build_preset("tiny-gemma2")
     layout = derive_layout(model)
     program, _ = trace(model, layout)
@@ -215,8 +217,12 @@ def test_substitution_refuses_attention_it_cannot_express():
         bias = program.graph.call_function(torch.ops.aten.sub.Tensor, (tanh, tanh))
     tanh.replace_all_uses_with(bias, delete_user_cb=lambda user: user is not bias)
     settings = pass_settings(get_profile("cpu"), layout)
-    with pytest.raises(PassDidNotApply, match="attention scores pass through aten.sub.Tensor"):
-        FX_PASSES["substitute_group_query_attention"](program, settings, DECODER)
+    program, changes = FX_PASSES["substitute_group_query_attention"](program, settings, DECODER)
+    assert sorted(changes["plain_layers"]) == list(range(layout.num_layers)) and not changes["substituted_layers"]
+    assert all("attention scores pass through aten.sub.Tensor" in why for why in changes["plain_layers"].values())
+    assert bias in program.graph.nodes and not any(n.target is GQA for n in program.graph.nodes)
+    assert FX_PASSES["substitute_group_query_attention"].findings(changes) == {
+        "plain_attention_layers": changes["plain_layers"]}
 
 
 @pytest.mark.l1

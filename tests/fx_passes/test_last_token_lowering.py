@@ -15,6 +15,8 @@ import fx_passes.custom_ops.ops  # noqa: F401  (registers the custom ops)
 from exporter.lower.torch_onnx import lower
 from exporter.verify.postconditions import cpu_placed_nodes
 
+pytestmark = pytest.mark.unit
+
 HIDDEN = 6
 
 

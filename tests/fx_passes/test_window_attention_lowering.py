@@ -14,6 +14,8 @@ import torch
 import fx_passes.custom_ops.ops  # noqa: F401  (registers the custom ops)
 from exporter.lower.torch_onnx import lower
 
+pytestmark = pytest.mark.unit
+
 NUM_HEADS, HEAD, WINDOW, SCALE = 4, 8, 4, 0.3
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # one attention: summation order; fp16's rounding
 # (KV heads, soft-cap): one KV head (Gemma 4's sliding layers: no query transposes), query-head

@@ -13,6 +13,8 @@ from helpers.webgpu import require_webgpu
 
 from ep_profiles import get_profile
 
+pytestmark = pytest.mark.unit
+
 _SPEC = importlib.util.spec_from_file_location(
     "probe_quantized_kernels", Path(__file__).resolve().parents[2] / "scripts" / "probe_quantized_kernels.py")
 probe_quantized_kernels = importlib.util.module_from_spec(_SPEC)

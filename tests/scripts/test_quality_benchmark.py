@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.l1
+pytestmark = [pytest.mark.l1, pytest.mark.unit]
 
 _SPEC = importlib.util.spec_from_file_location(
     "quality_benchmark", Path(__file__).resolve().parents[2] / "scripts" / "quality_benchmark.py")
