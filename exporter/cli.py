@@ -226,12 +226,10 @@ def _options(args) -> ExportOptions:
             )
         except ValueError as error:
             raise ExporterError(str(error)) from error
-    return ExportOptions(ep=args.ep, precision=args.precision, graph_capture=args.graph_capture,
-                         full_logits=args.full_logits, int4=int4, int4_encoders=args.int4_encoders,
-                         max_length=args.max_length, text_only=args.text_only,
-                         strict=getattr(args, "strict", False), random_weights=getattr(args, "random_weights", False),
-                         trust_remote_code=args.trust_remote_code,
-                         allow_pickled_weights=getattr(args, "allow_pickled_weights", False))
+    # Each option's flag has its field's name (the plan parser leaves out those that do not decide the plan).
+    flags = {field.name: getattr(args, field.name) for field in dataclasses.fields(ExportOptions)
+             if field.name != "int4" and hasattr(args, field.name)}
+    return ExportOptions(int4=int4, **flags)
 
 
 def _profile_precision(ep: str) -> str:

@@ -64,10 +64,9 @@ class ExportOptions:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
     def replay_key(self, resolved: ResolvedOptions) -> dict[str, Any]:
-        """What of the options decides a package's bytes, resolved, as JSON values (the replay key's
-        options: ``exporter.cache.replay.fingerprint``)."""
-        return {"ep": resolved.profile.name, "precision": resolved.precision, "graph_capture": self.graph_capture,
-                "full_logits": self.full_logits, "strict": self.strict, "text_only": self.text_only,
-                "int4": dataclasses.asdict(resolved.int4) if resolved.int4 else None,
-                "int4_encoders": self.int4_encoders, "max_length": self.max_length,
-                "allow_pickled_weights": self.allow_pickled_weights}
+        """Every option, resolved, as JSON values (the replay key's options:
+        ``exporter.cache.replay.fingerprint``). Built from the fields, so a new option is in the key
+        and a replay never serves a package made with another value of it."""
+        key = {name: value for name, value in self.keywords().items() if name not in ("ep", "precision", "int4")}
+        return {**key, "ep": resolved.profile.name, "precision": resolved.precision,
+                "int4": dataclasses.asdict(resolved.int4) if resolved.int4 else None}

@@ -98,7 +98,8 @@ class ExportSettings:
                 f"layer, and {len(plain_attention_layers)} cannot have it "
                 f"({describe_plain_layers(plain_attention_layers)}); export with --no-graph-capture "
                 "(API: graph_capture=False)")
-        return dataclasses.replace(self, plain_attention_layers=tuple(sorted(plain_attention_layers)))
+        # Layer numbers, as ints: a graph-cache round trip through JSON makes the keys strings.
+        return dataclasses.replace(self, plain_attention_layers=tuple(sorted(int(k) for k in plain_attention_layers)))
 
     @property
     def share_kv_buffer(self) -> bool:

@@ -10,6 +10,7 @@ trainer's model and adapters stay as they are.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ from exporter.pipeline import ExportedPackage, export
 from exporter.options import ExportOptions
 
 _OPTION_NAMES = set(ExportOptions.__dataclass_fields__)  # what resolve() checks at construction
+# What ExportOnSave may pass on to export() (it sets the model, tokenizer and output itself).
+_EXPORT_KEYWORDS = set(inspect.signature(export).parameters) - {"model", "tokenizer", "output_dir", "ep", "precision",
+                                                                 "overwrite"}
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,10 @@ class ExportOnSave(transformers.TrainerCallback):
             raise ValueError(f"every must be 1 or more, not {every}")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
-        # Resolved at construction, not at the first save hours into training.
+        # Checked and resolved at construction, not at the first save hours into training.
+        unknown = sorted(set(export_options) - _EXPORT_KEYWORDS)
+        if unknown:
+            raise TypeError(f"ExportOnSave got options export() does not take: {', '.join(unknown)}")
         known = {name: value for name, value in export_options.items() if name in _OPTION_NAMES}
         self.precision = ExportOptions(ep=ep, precision=precision, **known).resolve().precision
         self.ep, self.every, self.folder = ep, every, folder

@@ -191,10 +191,14 @@ def _recognised_cores(program: ExportedProgram, layout) -> tuple[list[AttentionC
             cache_concat(core.key), cache_concat(core.value)
     except PassDidNotApply as error:
         return [], str(error)
-    layers = sorted(c.layer for c in cores if c.layer is not None)
-    if len(cores) != layout.num_layers or layers != list(range(layout.num_layers)):
+    if len(cores) != layout.num_layers:
         return [], (f"found {len(cores)} attention cores (scaled_dot_product_attention or matmul-softmax-matmul) "
                     f"for {layout.num_layers} decoder layers")
+    # A core's layer index is read from a ``layers.N`` module path; a family whose blocks are named
+    # otherwise (``h.N``) has none, and its cores are taken in graph order as before.
+    known = [c.layer for c in cores if c.layer is not None]
+    if len(set(known)) != len(known):
+        return [], f"two attention cores in one decoder layer (layers {sorted(known)})"
     return cores, None
 
 

@@ -95,16 +95,23 @@ def _buffers_on(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
             module._buffers[name] = buffer
 
 
-def non_kv_state_layers(model: PreTrainedModel) -> list[int]:
-    """The layers whose state is not a key/value cache: a convolution or recurrent state (hybrids
-    such as LFM2, Qwen3-Next, Mamba hybrids), found in the cache transformers builds for the model."""
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+# The cache layers transformers builds that hold keys and values as GenAI's decoder does (a
+# KV-shared layer holds none: DummyLayer).
+_KV_CACHE_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"})
 
+
+def non_kv_state_layers(config) -> dict[int, str]:
+    """The decoder layers whose state is not a key/value cache, with the cache layer transformers
+    builds for each (``LinearAttentionLayer``: a convolution or recurrent state, as in LFM2,
+    Qwen3-Next and Mamba hybrids; ``DynamicIndexedLayer``: an indexer's cache); read off the
+    config alone, before any weight is read. Empty where transformers builds no cache from the
+    config (the layout probe then says more)."""
     try:
-        cache = DynamicCache(config=text_config(model.config))
+        cache = DynamicCache(config=text_config(config))
     except Exception:  # noqa: BLE001 - a config the cache cannot read: the layout probe says more
-        return []
-    return [index for index, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        return {}
+    return {index: type(layer).__name__ for index, layer in enumerate(cache.layers)
+            if type(layer).__name__ not in _KV_CACHE_LAYERS}
 
 
 def derive_layout(model: PreTrainedModel) -> DecoderLayout:
@@ -164,10 +171,10 @@ def causal_lm_view(model: transformers.PreTrainedModel) -> transformers.PreTrain
     traces any text model."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    text_config = model.config.get_text_config(decoder=True)
-    causal_lm_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text_config.model_type])
+    decoder_config = model.config.get_text_config(decoder=True)
+    causal_lm_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[decoder_config.model_type])
     with torch.device("meta"):
-        view = causal_lm_class(text_config)
+        view = causal_lm_class(decoder_config)
     view.model = model.model.language_model
     view.lm_head = model.lm_head
     view.generation_config = model.generation_config

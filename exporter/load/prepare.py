@@ -39,6 +39,7 @@ class PreparedModel:
 
 
 def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
+    _refuse_non_kv_state(loaded.model.config)  # from the config: before any weight is read or measured
     # Measured first, in float32 on the model as loaded: the cast and the fake weights come after.
     ranges = calibrate(loaded) if dtype == torch.float16 else None
     model = loaded.model
@@ -52,12 +53,6 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         loaded.notes.append(f"weights converted to {str(dtype).removeprefix('torch.')} for tracing "
                             "(a copy; the model is unchanged)")
     decoder = causal_lm_view(model) if loaded.multimodal else model
-    if stateful := non_kv_state_layers(decoder):
-        raise ExporterError(
-            f"{text_config(decoder.config).model_type} keeps a convolution or recurrent state, not a key/value "
-            f"cache, in {len(stateful)} of its layers ({', '.join(map(str, stateful[:8]))}"
-            f"{', ...' if len(stateful) > 8 else ''}): ONNX Runtime GenAI's decoder carries key/value caches only, "
-            "so this exporter refuses the model")
     try:
         layout = derive_layout(decoder)
     except ExporterError:
@@ -75,6 +70,16 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         return PreparedModel(model, decoder, layout, saved_shapes, ModelWeights(model), ranges)
     fake_weights(model, buffers=loaded.weights.provides_buffers)
     return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights, ranges)
+
+
+def _refuse_non_kv_state(config) -> None:
+    if stateful := non_kv_state_layers(config):
+        kinds = ", ".join(sorted(set(stateful.values())))
+        layers = ", ".join(map(str, list(stateful)[:8])) + (", ..." if len(stateful) > 8 else "")
+        raise ExporterError(
+            f"{text_config(config).model_type} keeps a state that is not a key/value cache ({kinds}: a convolution, "
+            f"recurrent or indexer state) in {len(stateful)} of its layers ({layers}): ONNX Runtime GenAI's decoder "
+            "carries key/value caches only, so this exporter refuses the model")
 
 
 def _first_line(error: BaseException) -> str:

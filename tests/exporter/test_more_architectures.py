@@ -228,7 +228,7 @@ def test_a_hybrid_with_a_non_kv_state_is_refused_in_one_specific_line(config, tm
     folder = save_checkpoint(model, tokenizer, tmp_path / "checkpoint")
     assert main([str(folder), "-o", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert "keeps a convolution or recurrent state, not a key/value cache" in lines[-1]
+    assert "keeps a state that is not a key/value cache (LinearAttentionLayer" in lines[-1]
     assert "carries key/value caches only" in lines[-1] and "report it" not in lines[-1]
     assert not (tmp_path / "out").exists()
 

@@ -101,3 +101,9 @@ def test_a_wrong_ep_or_precision_fails_before_training():
         ExportOnSave(ep="tpu")
     with pytest.raises(ExporterError, match="does not run precision"):
         ExportOnSave(ep="webgpu", precision="bf16")
+
+
+def test_an_option_export_does_not_take_fails_at_construction():
+    """A misspelt option fails when the callback is made, not at the first save hours into training."""
+    with pytest.raises(TypeError, match="ExportOnSave got options export\\(\\) does not take: text_onyl"):
+        ExportOnSave(text_onyl=True)

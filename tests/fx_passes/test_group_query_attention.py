@@ -258,3 +258,20 @@ def test_each_layer_attends_where_the_kernel_keeps_its_semantics(facts, window, 
 
     core = dataclasses.make_dataclass("Core", ["softcap"])(softcap)
     assert _graph_window(core, window, AttentionKernel(**facts), 4096) == expected
+
+
+@pytest.mark.l1
+def test_layers_without_a_layers_n_path_still_take_group_query_attention(monkeypatch):
+    """A core's layer number comes from a ``layers.N`` module path; blocks named otherwise (GPT-2's
+    ``transformer.h.N``) give none. One core per decoder layer is what the pass needs: every layer
+    still takes GroupQueryAttention, none falls back."""
+    from fx_passes.analyses import attention_cores
+
+    model, _ = build_preset("tiny-llama")
+    layout = derive_layout(model)
+    program, _ = trace(model, layout)
+    monkeypatch.setattr(attention_cores, "layer_index", lambda node: None)
+    program, changes = FX_PASSES["substitute_group_query_attention"](program, pass_settings(get_profile("cpu"), layout),
+                                                                     DECODER)
+    assert not changes["plain_layers"]
+    assert sum(n.target is GQA for n in program.graph.nodes) == layout.num_layers
