@@ -26,6 +26,7 @@ from ep_profiles import get_profile
 from exporter.onnx_passes.fold_constants import FoldConstants
 from exporter.plan import export_settings
 from exporter.sessions import SESSIONS
+from helpers.counting_reader import CountingReader
 
 pytestmark = pytest.mark.unit
 
@@ -33,17 +34,6 @@ IN, OUT, ROWS = 8, 4, 2
 _RNG = np.random.default_rng(0)
 WEIGHT = (_RNG.standard_normal((IN, OUT)) * 3).astype(np.float32)  # x @ W
 NORM_SCALE = _RNG.standard_normal(OUT).astype(np.float32)  # Gemma 2 stores weight; the norm scales by 1 + weight
-
-
-class CountingReader:
-    """A lazy weight's callable, as ``exporter.weights.placeholders.WeightReader``: counts its reads."""
-
-    def __init__(self, array: np.ndarray):
-        self.array, self.reads = array, 0
-
-    def __call__(self) -> ir.TensorProtocol:
-        self.reads += 1
-        return ir.tensor(self.array)
 
 
 def _model() -> tuple[ir.Model, dict[str, CountingReader]]:

@@ -21,6 +21,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 from exporter.onnx_passes.tidy import Tidy
+from helpers.counting_reader import CountingReader
 
 pytestmark = pytest.mark.unit
 
@@ -30,15 +31,6 @@ LOCAL = "pkg.torch.local"
 _RNG = np.random.default_rng(0)
 WEIGHT = _RNG.standard_normal((WIDTH, OUT)).astype(np.float32)  # both weights hold these values
 X = _RNG.standard_normal((2, WIDTH)).astype(np.float32)
-
-
-class CountingReader:
-    def __init__(self, array: np.ndarray):
-        self.array, self.reads = array, 0
-
-    def __call__(self) -> ir.TensorProtocol:
-        self.reads += 1
-        return ir.tensor(self.array)
 
 
 def _i64(name: str, values: list[int]) -> onnx.TensorProto:
