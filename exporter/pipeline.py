@@ -44,7 +44,7 @@ from exporter.verify.sample_prefill import run_sample_prefill
 from exporter.weights.meta_model import tensor_names
 from exporter.weights.origins import WeightOrigin, made_from, weight_origins
 from exporter.weights.placeholders import attach, detach
-from exporter.weights.sources import SafetensorsWeights, account
+from exporter.weights.stores import SafetensorsWeights, account
 from fx_passes import FX_PASSES, PassDidNotApply, run_fx_passes
 
 
@@ -326,7 +326,7 @@ def _export_session(session, session_plan, prepared, settings: ExportSettings, r
     report.notes += _fx_pass_notes(session_plan, lowered.fx_passes)
     settings = _with_findings(settings, session, session_plan, lowered.fx_passes)
     with stages.stage(_stage("onnx_passes", session, settings)):
-        readers = attach(onnx_model, prepared.weight_source, lowered.recipes)
+        readers = attach(onnx_model, prepared.weight_store, lowered.recipes)
         _run_onnx_passes(onnx_model, session, session_plan, settings, session_report)
         postconditions.require(onnx_model, settings, session)
         if note := postconditions.uncaptured_cpu_note(onnx_model, settings, session):
@@ -378,7 +378,7 @@ def _graph_cache(folder: Path | None, turned_off: bool, prepared, settings: Expo
         return None
     try:
         views = (prepared.decoder,) if prepared.decoder is not prepared.model else ()
-        ingredients = graph_cache.key_ingredients(prepared.model, prepared.weight_source, settings, plan, views)
+        ingredients = graph_cache.key_ingredients(prepared.model, prepared.weight_store, settings, plan, views)
     except Exception as error:  # a model the key cannot read costs the cache, never the export
         ingredients = f"the key could not be computed ({type(error).__name__}: {error})"
     if isinstance(ingredients, str):

@@ -60,7 +60,7 @@ from exporter.cache.cache_folder import (  # noqa: F401 (the cache's API)
     default_folder,
 )
 from exporter.weights.recipes import Recipes, recipes_from_json, recipes_to_json
-from exporter.weights.sources import WeightSource
+from exporter.weights.stores import WeightStore
 
 FORMAT = 1
 # The least recently used entries go once the cache holds more than this.
@@ -177,10 +177,10 @@ def prune(root: Path, keep: Path, max_bytes: int = MAX_BYTES) -> list[Path]:
     return removed
 
 
-def key_ingredients(model: torch.nn.Module, weight_source: WeightSource, settings, plan,
+def key_ingredients(model: torch.nn.Module, weight_store: WeightStore, settings, plan,
                     views: tuple[torch.nn.Module, ...] = ()) -> dict[str, Any] | str:
     """Everything the lowered graphs depend on, as JSON-able values; or, where the model runs code
-    no key can see, why it cannot be cached. The kind of ``weight_source`` decides which tensors
+    no key can see, why it cannot be cached. The kind of ``weight_store`` decides which tensors
     are traced with values and which buffers it provides. ``views``: modules traced around the
     model's own (a multimodal model's causal LM view), whose classes' code counts too."""
     if uncacheable := _unseen_code(model):
@@ -207,7 +207,7 @@ def key_ingredients(model: torch.nn.Module, weight_source: WeightSource, setting
         # Every buffer with values (rotary tables; a model in memory's persistent ones too, which a
         # pass may fold): fake and meta ones give their shape only.
         "buffers": {name: _tensor_digest(b) for name, b in model.named_buffers()},
-        "weights": _qualified_name(type(weight_source)),
+        "weights": _qualified_name(type(weight_store)),
         "settings": _jsonable({k: v for k, v in dataclasses.asdict(settings).items() if k != "residual_exponent"}),
         "plan": plan.to_dict(),
     }

@@ -16,7 +16,7 @@ from exporter.load.compute_dtype import cast_like_from_pretrained
 from exporter.load.layout import DecoderLayout, causal_lm_view, derive_layout, non_kv_state_layers, text_config
 from exporter.load.sources import LoadedModel
 from exporter.weights.meta_model import fake_weights
-from exporter.weights.sources import ModelWeights, WeightSource
+from exporter.weights.stores import ModelWeights, WeightStore
 
 
 @dataclass
@@ -28,14 +28,14 @@ class PreparedModel:
     saved_shapes: dict[str, tuple[int, ...]]
     # Where the package's weights are read when it is written: the loaded source's, or the model's
     # own tensors where the model holds them (then traced with their values: ``weights_in_model``).
-    weight_source: WeightSource
+    weight_store: WeightStore
     # fp16 activations: the decoder's float32 peaks on the calibration prompts, or why they were
     # not measured (``exporter.load.activation_ranges``); None at other precisions.
     activation_ranges: ActivationRanges | str | None = None
 
     @property
     def weights_in_model(self) -> bool:
-        return isinstance(self.weight_source, ModelWeights)
+        return isinstance(self.weight_store, ModelWeights)
 
 
 def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:

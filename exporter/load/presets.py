@@ -18,7 +18,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from exporter.weights.sources import TEMPERED_QK_NORM_SCALE
+from exporter.weights.stores import TEMPERED_QK_NORM_SCALE
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2

@@ -34,7 +34,7 @@ from exporter.load.multimodal import (
 from exporter.load.peft_models import is_peft_model, merged_copy
 from exporter.load.presets import MULTIMODAL_TOKENS, PRESETS, build_preset, marker_ids, train_tokenizer
 from exporter.weights.meta_model import build_on_meta, tied_aliases
-from exporter.weights.sources import RandomWeights, SafetensorsWeights, UnreadTensors, WeightSource
+from exporter.weights.stores import RandomWeights, SafetensorsWeights, UnreadTensors, WeightStore
 
 ALIASES: dict[str, str] = {
     "gemma-4-e2b": "google/gemma-4-E2B-it",
@@ -53,7 +53,7 @@ class LoadedModel:
     source: str
     notes: list[str] = field(default_factory=list)
     # Where the weights come from when the model's parameters are empty (meta); None: in the model.
-    weights: WeightSource | None = None
+    weights: WeightStore | None = None
     # Set where the package is multimodal: ``model`` is then the whole multimodal model.
     multimodal: MultimodalFacts | None = None
 

@@ -8,7 +8,7 @@ them next to the traced program and their converted copies. So for a checkpoint 
 lowering every weight initializer becomes a placeholder (``placeholders.detach``; the lowered graph then serves
 any weights of its architecture: ``exporter.cache.graph_cache``) and then an ``onnx_ir.LazyTensor``
 (``placeholders.attach``) that reads its tensor from the safetensors files (only the slice a split piece needs),
-draws it, or takes it from a model in memory (``sources.ModelWeights``: traced with its values, written the
+draws it, or takes it from a model in memory (``stores.ModelWeights``: traced with its values, written the
 same way), at the moment ``onnx_ir.save`` writes it. Each weight is materialised once, at the package's precision; later lazy steps
 (transpose, int4 blocks) chain on it.
 

@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from exporter.weights.lazy_steps import CastWeight, ReshapedWeight, TransposedWeight
 from exporter.weights.placeholders import WeightReader
-from exporter.weights.sources import IR_SAFETENSORS_DTYPES, FileRange, StoredTensor
+from exporter.weights.stores import IR_SAFETENSORS_DTYPES, FileRange, StoredTensor
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Weights out of the lowered graph and back: ``detach`` makes every weight initializer a placeholder (the
 graph then serves any weights of its architecture, ``exporter.cache.graph_cache``), ``attach`` gives each
-placeholder an ``onnx_ir.LazyTensor`` that reads its values from a weight source when the package is
+placeholder an ``onnx_ir.LazyTensor`` that reads its values from a weight store when the package is
 written (``WeightReader``, counting its reads)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from onnx_ir.tensor_adapters import to_torch_dtype
 
 from exporter.weights.recipes import Recipes, recipes_of
-from exporter.weights.sources import Index, WeightSource
+from exporter.weights.stores import Index, WeightStore
 
 # Where a weight initializer's placeholder points until ``attach`` gives it its values: a lowered
 # graph holds no weight, so it serializes small and serves any checkpoint of its architecture.
@@ -41,7 +41,7 @@ class WeightReader:
     checkpoint range the writer copies file to file, where there is one. ``reads`` counts the
     calls, so that the export knows whether anything but the writer read the values."""
 
-    def __init__(self, source: WeightSource, tensor_name: str, index: Index, name: str, dtype: ir.DataType,
+    def __init__(self, source: WeightStore, tensor_name: str, index: Index, name: str, dtype: ir.DataType,
                  shape: ir.Shape):
         self.source, self.tensor_name, self.index, self.name = source, tensor_name, index, name
         self.dtype, self.shape = dtype, shape
@@ -60,7 +60,7 @@ class WeightReader:
         return _to_ir(self.source.tensor(self.tensor_name, self.index, to_torch_dtype(self.dtype)), self.name)
 
 
-def attach(model: ir.Model, source: WeightSource, recipes: Recipes) -> list[WeightReader]:
+def attach(model: ir.Model, source: WeightStore, recipes: Recipes) -> list[WeightReader]:
     """Give every placeholder initializer a lazy tensor that reads its recipe's tensor from
     ``source`` when the package is written, in the initializer's own dtype (a parameter's is the
     export's compute dtype; an integer buffer stays integer). Returns the readers, one per

@@ -9,7 +9,7 @@ import re
 import onnx_ir as ir
 from torch._subclasses.fake_tensor import FakeTensor
 
-from exporter.weights.sources import Index
+from exporter.weights.stores import Index
 
 _PIECE = re.compile(r"^(?P<source>.+)\.use(?P<use>\d+)\.part(?P<part>\d+)$")
 

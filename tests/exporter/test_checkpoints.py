@@ -126,7 +126,7 @@ def test_a_tensor_stored_in_the_packages_dtype_is_copied_from_its_checkpoint_byt
     and converted)."""
     import onnx_ir as ir
 
-    from exporter.weights.sources import SafetensorsWeights
+    from exporter.weights.stores import SafetensorsWeights
 
     folder = gemma4_checkpoint.folder
     source = SafetensorsWeights(folder, {})
@@ -159,7 +159,7 @@ def test_attach_copies_a_weight_in_the_packages_dtype_and_converts_the_others(ge
     import onnx_ir as ir
 
     from exporter.weights.placeholders import WEIGHT_PLACEHOLDER, attach
-    from exporter.weights.sources import SafetensorsWeights
+    from exporter.weights.stores import SafetensorsWeights
 
     folder = gemma4_checkpoint.folder
     table = load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"]

@@ -20,7 +20,7 @@ from ep_profiles import get_profile
 from exporter import export
 from exporter.cache import graph_cache
 from exporter.load.presets import PRESETS, build_preset
-from exporter.weights.sources import ModelWeights
+from exporter.weights.stores import ModelWeights
 from helpers.checkpoints import save_checkpoint, take_training_step, training_run_checkpoint
 
 PACKAGE_FILES = ("model.onnx", "model.onnx.data", "genai_config.json")

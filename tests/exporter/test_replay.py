@@ -341,7 +341,7 @@ def test_tidy_deduplicates_constants_and_keeps_equal_weights_apart():
 
     from exporter.onnx_passes.tidy import DeduplicateConstantsPass
     from exporter.weights.placeholders import WEIGHT_PLACEHOLDER, attach
-    from exporter.weights.sources import RandomWeights
+    from exporter.weights.stores import RandomWeights
 
     values = {}
     for name in ("c1", "w1", "w2", "c2", "w3"):

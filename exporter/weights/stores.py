@@ -1,4 +1,4 @@
-"""Where weights come from, one tensor at a time: a safetensors folder (``SafetensorsWeights``: only the
+"""Weight stores: where the weights are kept, read one tensor at a time: a safetensors folder (``SafetensorsWeights``: only the
 slice a split piece needs, through transformers' own conversions), random draws from a fixed seed
 (``RandomWeights``), or a model in memory (``ModelWeights``); each accounts for every saved tensor
 (``UnreadTensors``: what was left over, an error under ``strict``)."""
@@ -55,9 +55,9 @@ def _names(keys, shown: int = 6) -> str:
     return listed + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
-class WeightSource(Protocol):
+class WeightStore(Protocol):
     description: str
-    # Whether persistent buffers come from the source too (a checkpoint), or keep the values the
+    # Whether persistent buffers come from the store too (a checkpoint), or keep the values the
     # model was built with (random weights: init values are what a fresh model has).
     provides_buffers: bool
 
@@ -66,7 +66,7 @@ class WeightSource(Protocol):
         ...
 
     def unread(self, read: set[str]) -> UnreadTensors:
-        """What the source holds beyond the saved tensors ``read`` by the exported graph."""
+        """What the store holds beyond the saved tensors ``read`` by the exported graph."""
         ...
 
     def verbatim_range(self, name: str, index: Index, dtype: ir.DataType) -> FileRange | None:
@@ -453,11 +453,11 @@ def _sliced_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
 
 
-def account(source: WeightSource, attached: int, read: set[str], strict: bool) -> list[str]:
+def account(store: WeightStore, attached: int, read: set[str], strict: bool) -> list[str]:
     """What the report says of the attached weights (of every session): how many tensors stream
     from where, and the checkpoint tensors no graph reads (an error under ``strict``)."""
-    unread = source.unread(read)
+    unread = store.unread(read)
     if strict and unread.unexplained:
         raise ExporterError(f"--strict: {unread.notes()[0]}")
-    return [f"{attached} weight tensors written one at a time (never all in memory) from {source.description}",
+    return [f"{attached} weight tensors written one at a time (never all in memory) from {store.description}",
             *unread.notes()]
