@@ -40,7 +40,7 @@ class AttentionKernel:
     fills_requested_presents: the kernel writes every present output it is asked for, zero-filled
         as long as the past (``max_length`` slots when the buffer is shared) with each row's real
         tokens copied in, at every step, and it runs without them, reading the past in place.
-        ONNX Runtime 1.32's CPU kernel does both (tests/exporter/test_omit_unread_presents.py).
+        ONNX Runtime 1.32's CPU kernel does both (tests/exporter/onnx_passes/test_omit_unread_presents.py).
     reads_kv_head_per_query_head: a call reads each KV head once per query head, not once per
         group of query heads that share it (ONNX Runtime 1.32's CPU kernel, at Gemma 4 E2B's
         shapes: 8 query heads per KV head, heads of 256 and 512; scripts/benchmark.py

@@ -17,4 +17,4 @@ python -m venv --system-site-packages "$venv"
   tests/exporter/test_parity.py tests/exporter/test_generation.py
 "$venv/bin/python" -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider \
   -m l1 tests/exporter/test_multimodal.py tests/exporter/test_e2b_shape.py
-"$venv/bin/python" -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider tests/exporter/test_layer_replicas.py
+"$venv/bin/python" -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider tests/exporter/trace/test_layer_replicas.py

@@ -2,7 +2,7 @@
 reused by every test that reads its package (exports cost 5-20 s each on 2 cores).
 
 A family's test checkpoint is its preset with every saved tensor that init leaves constant moved
-away from that constant (``helpers.checkpoints``), saved by ``save_pretrained``; the reference
+away from that constant (``tests.helpers.checkpoints``), saved by ``save_pretrained``; the reference
 model is what transformers loads back from that folder. Packages are exported from the folder
 (weights streamed, as a user's checkpoint) or from the loaded model in memory."""
 
@@ -20,11 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # asks for, and the user's cache folder is never written. The cache's own tests name a folder.
 os.environ["GENAI_EXPORTER_NO_CACHE"] = "1"
 
-from helpers.checkpoints import perturbed_preset_checkpoint
-from helpers.families import FAMILIES
-
 from ep_profiles import get_profile
 from exporter import ExportedPackage, export
+from tests.helpers.checkpoints import perturbed_preset_checkpoint
+from tests.helpers.families import FAMILIES
 
 # The CPU profile without GroupQueryAttention: transformers' own attention (MatMul/Softmax), the
 # form a profile that cannot run GroupQueryAttention exports.

@@ -17,7 +17,7 @@ GroupQueryAttention without presents against 0.064 ms in this form, Slices inclu
 0.290 against 0.132 (head 512). gemma-4-e2b-shape fp32 through GenAI (``scripts/compare_packages.py
 --processes 8``) decoded at 22.3 against 21.1 tokens/s at max_length 576 and 22.4 against 21.8 at
 4096, TTFT unchanged. Verified against the kernel it replaces in
-``tests/exporter/test_matmul_kv_shared_attention.py``.
+``tests/exporter/onnx_passes/test_matmul_kv_shared_attention.py``.
 
 A call with several queries per row (``--full-logits``, whose prefill runs every token through
 these layers) keeps GroupQueryAttention, which skips what a causal mask hides.

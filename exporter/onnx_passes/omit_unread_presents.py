@@ -11,7 +11,7 @@ past first cut to its real tokens by a Slice (this exporter's earlier form) / wi
 0.39 / 0.45 / 0.34 ms (head 256) and 0.62 / 0.72 / 0.53 ms (head 512) at 576 slots; 0.48 / 0.34 /
 0.23 and 1.51 / 0.99 / 0.59 ms at 4096. In a gemma-4-e2b-shape fp32 decode step (ONNX Runtime's
 profiler, 576 slots) its 20 KV-shared layers' attention took 6.2-6.7 ms against 9.1 ms with the
-Slice. Verified on ONNX Runtime 1.32's CPU kernel (``tests/exporter/test_omit_unread_presents.py``);
+Slice. Verified on ONNX Runtime 1.32's CPU kernel (``tests/exporter/onnx_passes/test_omit_unread_presents.py``);
 a profile turns it on only for a kernel that was run so. On cpu, a KV-shared call on one query per
 row (every call once prefill is truncated) then becomes MatMul/Softmax
 (``matmul_kv_shared_attention``); what this pass leaves runs with ``--full-logits``."""

@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from fx_passes.base import outputs_named_as_in_graph
 
 # Decoder layer classes whose replicated graph the tests compare with a full trace
-# (tests/exporter/test_layer_replicas.py).
+# (tests/exporter/trace/test_layer_replicas.py).
 REPLICATED_CLASSES = frozenset({
     "CohereDecoderLayer", "Gemma2DecoderLayer", "Gemma4TextDecoderLayer", "GPTNeoXLayer", "GraniteDecoderLayer",
     "LlamaDecoderLayer", "MistralDecoderLayer", "Phi3DecoderLayer", "PhiDecoderLayer", "Qwen3DecoderLayer",

@@ -81,7 +81,7 @@ def test_random_weights_int4_webgpu_package_passes_check(tmp_path, capsys):
     import json
 
     from exporter.cli import main
-    from helpers.webgpu import require_webgpu
+    from tests.helpers.webgpu import require_webgpu
 
     require_webgpu()
     out = tmp_path / "e2b-shape-int4"

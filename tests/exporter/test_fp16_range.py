@@ -3,7 +3,7 @@ Gemma 3 270M's does (104,000): the export measures the peaks, scales the stream 
 (``onnx_passes.scale_residual_stream``) and the package gives transformers fp32's tokens; an fp16
 package with non-finite logits on its sample prompt is never written.
 
-Each test checkpoint is a family's preset with its constants moved (``helpers.checkpoints``), then
+Each test checkpoint is a family's preset with its constants moved (``tests.helpers.checkpoints``), then
 what each layer writes into the stream multiplied until the float32 stream peaks past 2 x 65504:
 Gemma's post-norm scales (its layers end in a norm), other families' value, output, up and down
 projections (each weight and each value inside a block stays inside fp16). Its
@@ -24,8 +24,8 @@ from exporter.load.activation_ranges import FP16_MAX, decoder_layers, measure
 from exporter.precisions import PRECISIONS
 from exporter.verify.check import check_package
 from exporter.verify.check_against import compare_with_source
-from helpers.checkpoints import perturbed_preset_checkpoint, save_checkpoint
-from helpers.webgpu import WEBGPU, require_webgpu
+from tests.helpers.checkpoints import perturbed_preset_checkpoint, save_checkpoint
+from tests.helpers.webgpu import WEBGPU, require_webgpu
 
 # Families whose stream the pass scales whole (webgpu packages, graph-captured).
 FAMILIES = ("tiny-gemma-4", "tiny-gemma2", "tiny-llama", "tiny-qwen3")

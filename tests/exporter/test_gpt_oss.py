@@ -17,12 +17,18 @@ import json
 import pytest
 import torch
 import transformers
-from test_generation import LONG_PROMPT, PROMPT_LONGER_THAN_WINDOW, SHORT_PROMPT, _genai_greedy, _transformers_greedy
-from test_parity import TOLERANCE, check_parity
 
 from exporter import ExporterError, export
 from exporter.load.presets import build_preset
-from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
+from tests.helpers.checkpoints import perturb_constant_tensors, save_checkpoint
+from tests.helpers.generation import (
+    LONG_PROMPT,
+    PROMPT_LONGER_THAN_WINDOW,
+    SHORT_PROMPT,
+    genai_greedy,
+    transformers_greedy,
+)
+from tests.helpers.parity import TOLERANCE, check_parity
 
 PRESET = "tiny-gpt-oss"
 
@@ -98,9 +104,9 @@ def test_logits_and_presents_match_transformers(packages, checkpoint, source):
                          ids=["past-the-window", "uneven-batch"])
 def test_genai_greedy_matches_transformers(packages, checkpoint, source, prompts):
     """The 8-token sliding layers: the prompt and the 32 new tokens go past the window."""
-    expected = _transformers_greedy(checkpoint[1], prompts, no_early_end=True)
+    expected = transformers_greedy(checkpoint[1], prompts, no_early_end=True)
     assert all(len(row) > 1 for row in expected)
-    assert _genai_greedy(packages[source].path, prompts, no_early_end=True) == expected
+    assert genai_greedy(packages[source].path, prompts, no_early_end=True) == expected
 
 
 @pytest.mark.l1

@@ -14,13 +14,13 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_parity import check_parity
 
 from ep_profiles import get_profile
 from exporter import ExporterError, export
 from exporter.cli import main
 from exporter.load.presets import build_preset, move_constant_tensors
-from helpers.checkpoints import save_checkpoint
+from tests.helpers.checkpoints import save_checkpoint
+from tests.helpers.parity import check_parity
 
 pytestmark = pytest.mark.l1
 
@@ -247,7 +247,7 @@ def test_a_router_with_a_score_correction_buffer_exports_from_a_folder(tmp_path)
     parameter: built on the meta device, the layout probe mixed devices there ("expected device
     meta!"). The probe now runs with the buffers on the meta device too; GenAI's greedy tokens equal
     transformers' on the folder's weights, the buffer moved off its zeros."""
-    from test_generation import _genai_greedy, _transformers_greedy
+    from tests.helpers.generation import genai_greedy, transformers_greedy
 
     model = transformers.AutoModelForCausalLM.from_config(_glm4_moe_config())
     assert "e_score_correction_bias" in " ".join(move_constant_tensors(model, 5))
@@ -256,8 +256,8 @@ def test_a_router_with_a_score_correction_buffer_exports_from_a_folder(tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     package = export(str(folder), output_dir=tmp_path / "out", strict=True, cache=False)
     prompts = [[2, 12, 99, 415, 260, 48, 77, 301, 5, 188], [2, 37, 101]]
-    expected = _transformers_greedy(reloaded, prompts, no_early_end=True)
-    assert _genai_greedy(package.path, prompts, no_early_end=True) == expected
+    expected = transformers_greedy(reloaded, prompts, no_early_end=True)
+    assert genai_greedy(package.path, prompts, no_early_end=True) == expected
 
 
 def test_latent_attention_with_other_value_heads_is_refused_in_one_line(tmp_path, capsys):

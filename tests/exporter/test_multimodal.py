@@ -34,12 +34,17 @@ from exporter.load.presets import PRESETS, build_preset, train_tokenizer
 from exporter.verify.check import check_package
 from exporter.verify.ep_runtime import genai_config
 from exporter.verify.sample_media import gradient_image, tone, write_png, write_wav
-from helpers.checkpoints import constant_saved_tensors, save_checkpoint
-from helpers.webgpu import WEBGPU, require_webgpu
+from tests.helpers.checkpoints import (
+    MULTIMODAL_PRESET,
+    constant_saved_tensors,
+    save_checkpoint,
+    save_multimodal_checkpoint,
+)
+from tests.helpers.webgpu import WEBGPU, require_webgpu
 
 pytestmark = pytest.mark.xdist_group("multimodal")
 
-PRESET = "tiny-gemma-4-multimodal"
+PRESET = MULTIMODAL_PRESET
 NEW_TOKENS = 16
 LOGITS_TOLERANCE = 1e-4
 CASES = {  # prompt, images (how many), audio?
@@ -49,13 +54,6 @@ CASES = {  # prompt, images (how many), audio?
     "image_audio": ("<|image|><|audio|> Describe both.", 1, True),
     "two_images": ("<|image|> or <|image|>: which is darker?", 2, False),
 }
-
-
-def save_multimodal_checkpoint(folder: Path, tokenizer=None) -> Path:
-    model, preset_tokenizer = build_preset(PRESET)
-    save_checkpoint(model, tokenizer or preset_tokenizer, folder)
-    (folder / "processor_config.json").write_text(json.dumps(PRESETS[PRESET].processor_settings, indent=1))
-    return folder
 
 
 @pytest.fixture(scope="module")

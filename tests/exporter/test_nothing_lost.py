@@ -25,7 +25,7 @@ from exporter.load.presets import build_preset
 from exporter.package import destination
 from exporter.package import files as package
 from exporter.verify.check import check_package
-from helpers.checkpoints import save_checkpoint
+from tests.helpers.checkpoints import save_checkpoint
 
 pytestmark = pytest.mark.l1
 ROOT = Path(__file__).resolve().parents[2]

@@ -30,9 +30,9 @@ from exporter.load.presets import build_preset
 from exporter.precisions import PRECISIONS
 from exporter.trace.decoder import GenAIDecoder, input_names, make_inputs
 from exporter.verify.check_against import departures, teacher_forced_logits
-from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
-from helpers.genai_greedy import GREEDY_SCRIPT, greedy
-from helpers.trained_model import train_tiny_gemma4
+from tests.helpers.checkpoints import perturb_constant_tensors, save_checkpoint
+from tests.helpers.genai_greedy import GREEDY_SCRIPT, greedy
+from tests.helpers.trained_model import train_tiny_gemma4
 
 GREEDY = GREEDY_SCRIPT
 NEW_TOKENS = 24
@@ -321,7 +321,7 @@ def test_greedy_continuation_matches_transformers_fp32(trained, name):
 @pytest.mark.xdist_group("webgpu")
 @pytest.mark.parametrize("name", ["fp16", "int4-webgpu", "int4-k_quant-webgpu", "int4-mixed-webgpu", "int8-webgpu"])
 def test_webgpu_greedy_continuation_matches_transformers_fp32(trained, name):
-    from helpers.webgpu import require_webgpu
+    from tests.helpers.webgpu import require_webgpu
 
     require_webgpu()
     model, _, packages, prompts = trained

@@ -108,7 +108,7 @@ def test_json_argument_errors_are_json_too(capsys):
 
 def test_the_default_output_of_a_dot_folder_is_named_after_it(tmp_path, monkeypatch, capsys):
     from exporter.load.presets import build_preset
-    from helpers.checkpoints import save_checkpoint
+    from tests.helpers.checkpoints import save_checkpoint
 
     folder = save_checkpoint(*build_preset("tiny-llama"), tmp_path / "my-model")
     monkeypatch.chdir(folder)

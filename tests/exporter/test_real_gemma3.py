@@ -18,8 +18,8 @@ from exporter.int4_options import Int4Options
 from exporter.load.activation_ranges import FP16_MAX
 from exporter.verify.check import check_package
 from exporter.verify.check_against import compare_with_source, greedy_with_logits, prompt_ids
-from helpers.real_checkpoints import gemma3_270m_folder
-from helpers.webgpu import WEBGPU, require_webgpu
+from tests.helpers.real_checkpoints import gemma3_270m_folder
+from tests.helpers.webgpu import WEBGPU, require_webgpu
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real_gemma3")]
 

@@ -1,5 +1,5 @@
 """Quantized packages of real trained checkpoints (Gemma 3 270M, Qwen2.5-Coder 0.5B; see
-``helpers/real_checkpoints.py``) judged as ``check --against`` judges them: by their distribution
+``tests/helpers/real_checkpoints.py``) judged as ``check --against`` judges them: by their distribution
 against transformers fp32 (mean KL, top-1 agreement, perplexity on real prose; the bounds of
 ``exporter.precisions``).
 
@@ -22,7 +22,7 @@ import transformers
 
 from exporter import export
 from exporter.verify.check_against import compare_with_source
-from helpers.real_checkpoints import gemma3_270m_folder, qwen25_coder_05b_folder
+from tests.helpers.real_checkpoints import gemma3_270m_folder, qwen25_coder_05b_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.l4, pytest.mark.xdist_group("real_quantization")]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers.checkpoints import build_preset, perturb_constant_tensors
-from test_parity import check_parity
 
 from exporter import ExportOnSave
+from tests.helpers.checkpoints import build_preset, perturb_constant_tensors
+from tests.helpers.parity import check_parity
 
 pytestmark = pytest.mark.l3
 

@@ -18,9 +18,9 @@ from exporter import ExporterError, export
 from exporter.onnx_passes import ONNX_PASSES
 from exporter.verify import postconditions
 from exporter.verify.ep_runtime import inference_session, placement
-from helpers.genai_greedy import GREEDY_SCRIPT as GREEDY
-from helpers.genai_greedy import greedy
-from helpers.webgpu import WEBGPU, require_webgpu
+from tests.helpers.genai_greedy import GREEDY_SCRIPT as GREEDY
+from tests.helpers.genai_greedy import greedy
+from tests.helpers.webgpu import WEBGPU, require_webgpu
 
 pytestmark = pytest.mark.xdist_group("webgpu")
 
@@ -157,7 +157,7 @@ def test_graph_capture_generation_matches_cpu_past_the_window(webgpu_exports):
 def test_batched_generation_matches_cpu_past_the_window(webgpu_exports):
     """A batch of two prompts longer than the window, both packages (with and without capture):
     the window attention's slots and bias are computed per row."""
-    from helpers.genai_greedy import batched_greedy
+    from tests.helpers.genai_greedy import batched_greedy
 
     require_webgpu()
     cpu, captured, uncaptured = webgpu_exports
@@ -176,7 +176,7 @@ def test_batch_of_unequal_prompts_matches_each_prompt_alone(webgpu_exports):
     row's tokens == that prompt's alone on the CPU package, with and without capture. The captured
     decoder finds each row's last real token from its position ids (it once took the last
     position, a padding token, and the short rows went wrong from their first token)."""
-    from helpers.genai_greedy import package_pad_token_id
+    from tests.helpers.genai_greedy import package_pad_token_id
 
     require_webgpu()
     cpu, captured, uncaptured = webgpu_exports

@@ -27,8 +27,8 @@ from exporter import export
 from exporter.load.presets import _small, build_preset, train_tokenizer
 from exporter.precisions import PRECISIONS
 from exporter.verify.check_against import greedy_with_logits, teacher_forced_logits
-from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
-from helpers.webgpu import WEBGPU, require_webgpu
+from tests.helpers.checkpoints import perturb_constant_tensors, save_checkpoint
+from tests.helpers.webgpu import WEBGPU, require_webgpu
 
 pytestmark = [pytest.mark.l5, pytest.mark.xdist_group("webgpu")]
 

@@ -10,7 +10,7 @@ from exporter.load.layout import derive_layout
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
 from fx_passes import FX_PASSES, run_fx_passes
-from helpers.plan_settings import DECODER, pass_settings
+from tests.helpers.plan_settings import DECODER, pass_settings
 
 pytestmark = pytest.mark.unit
 

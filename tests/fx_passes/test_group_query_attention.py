@@ -15,8 +15,8 @@ from exporter.trace.decoder import make_inputs, trace
 from fx_passes import FX_PASSES, run_fx_passes
 from fx_passes.analyses.graph_facts import PassDidNotApply
 from fx_passes.analyses.mask_probe import causal_window, decode_step_agrees
-from helpers.families import FAMILIES, MIXTURE_OF_EXPERTS_FAMILIES, PLAIN_ATTENTION_LAYERS
-from helpers.plan_settings import DECODER, pass_settings
+from tests.helpers.families import FAMILIES, MIXTURE_OF_EXPERTS_FAMILIES, PLAIN_ATTENTION_LAYERS
+from tests.helpers.plan_settings import DECODER, pass_settings
 
 GQA = torch.ops.genai_exporter.group_query_attention.default
 SDPA = torch.ops.aten.scaled_dot_product_attention.default

@@ -13,7 +13,7 @@ from exporter.plan import export_settings, make_plan
 from exporter.trace.decoder import GenAIDecoder, make_inputs, trace
 from fx_passes import FX_PASSES, run_fx_passes
 from fx_passes.analyses.graph_facts import PassDidNotApply
-from helpers.plan_settings import DECODER, pass_settings
+from tests.helpers.plan_settings import DECODER, pass_settings
 
 LAST_TOKEN = torch.ops.genai_exporter.last_token.default
 # vs the untouched program: the same ops on fewer rows, attention by GroupQueryAttention's

@@ -12,8 +12,8 @@ from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
 from fx_passes.base import run_fx_passes
 from fx_passes.registry import FX_PASSES
-from helpers.families import FUSED_MIXTURE_OF_EXPERTS_FAMILIES
-from helpers.plan_settings import DECODER, pass_settings
+from tests.helpers.families import FUSED_MIXTURE_OF_EXPERTS_FAMILIES
+from tests.helpers.plan_settings import DECODER, pass_settings
 
 MOE = torch.ops.genai_exporter.mixture_of_experts.default
 

@@ -20,7 +20,7 @@ from exporter.verify.check import check_package
 from fx_passes import FX_PASSES, run_fx_passes
 from fx_passes.analyses.graph_facts import PassDidNotApply
 from fx_passes.split_oversized_weights import piece_bounds
-from helpers.plan_settings import DECODER, pass_settings
+from tests.helpers.plan_settings import DECODER, pass_settings
 
 LIMIT = 64 * 1024  # tiny-gemma-4's per-layer table is 320 KiB in fp32, its tied embedding 128 KiB
 PROFILE = dataclasses.replace(get_profile("cpu"), name="cpu-64k", max_buffer_size=LIMIT)

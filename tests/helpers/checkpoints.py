@@ -9,12 +9,14 @@ is read back the way a user's is.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import transformers
 
 from exporter.load.presets import (  # noqa: F401  (re-exported for tests)
+    PRESETS,
     SCALE_RANGE,
     ZERO_NOISE,
     build_preset,
@@ -30,6 +32,18 @@ def save_checkpoint(model, tokenizer, folder: Path) -> Path:
     """``save_pretrained`` of model and tokenizer, as a user's checkpoint folder."""
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+MULTIMODAL_PRESET = "tiny-gemma-4-multimodal"
+
+
+def save_multimodal_checkpoint(folder: Path, tokenizer=None) -> Path:
+    """The multimodal preset saved as a user's checkpoint folder, with its processor settings laid
+    out like Google's (one ``processor_config.json``); ``tokenizer`` in place of the preset's."""
+    model, preset_tokenizer = build_preset(MULTIMODAL_PRESET)
+    save_checkpoint(model, tokenizer or preset_tokenizer, folder)
+    (folder / "processor_config.json").write_text(json.dumps(PRESETS[MULTIMODAL_PRESET].processor_settings, indent=1))
     return folder
 
 

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.webgpu import require_webgpu
 
 from ep_profiles import get_profile
+from tests.helpers.webgpu import require_webgpu
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from exporter import export
 from exporter.cache import graph_cache
 from exporter.load.presets import PRESETS, build_preset
 from exporter.weights.stores import ModelWeights
-from helpers.checkpoints import save_checkpoint, take_training_step, training_run_checkpoint
+from tests.helpers.checkpoints import save_checkpoint, take_training_step, training_run_checkpoint
 
 PACKAGE_FILES = ("model.onnx", "model.onnx.data", "genai_config.json")
 PRESET = "tiny-gemma-4"  # layer_scalar buffers, KV-shared layers, a tied head: every kind of saved tensor

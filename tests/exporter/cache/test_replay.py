@@ -19,7 +19,7 @@ import pytest
 from exporter.cache import replay
 from exporter.cli import main
 from exporter.load.preset_names import DEFAULT_PRESET, PRESET_NAMES
-from helpers.checkpoints import save_checkpoint, training_run_checkpoint
+from tests.helpers.checkpoints import save_checkpoint, training_run_checkpoint
 
 pytestmark = pytest.mark.l1
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import check_parity
 
 from exporter import export
 from exporter.errors import ExporterError
-from helpers.checkpoints import build_preset, perturb_constant_tensors
+from tests.helpers.checkpoints import build_preset, perturb_constant_tensors
+from tests.helpers.parity import check_parity
 
 peft = pytest.importorskip("peft")
 

@@ -13,7 +13,7 @@ from exporter.load.presets import build_preset
 from exporter.load.sources import LoadOptions, load
 from exporter.package.files import save_tokenizer
 from exporter.trace.decoder import GenAIDecoder, input_names, make_inputs
-from helpers.checkpoints import perturb_constant_tensors, save_checkpoint
+from tests.helpers.checkpoints import perturb_constant_tensors, save_checkpoint
 
 
 def _logits_match(package, model, tolerance=1e-4):

@@ -26,7 +26,7 @@ from ep_profiles import get_profile
 from exporter.onnx_passes.fold_constants import FoldConstants
 from exporter.plan import export_settings
 from exporter.sessions import SESSIONS
-from helpers.counting_reader import CountingReader
+from tests.helpers.counting_reader import CountingReader
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 from exporter.onnx_passes.tidy import Tidy
-from helpers.counting_reader import CountingReader
+from tests.helpers.counting_reader import CountingReader
 
 pytestmark = pytest.mark.unit
 

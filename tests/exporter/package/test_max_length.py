@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.checkpoints import build_preset
 
 from exporter import ExporterError, export
+from tests.helpers.checkpoints import build_preset
 
 pytestmark = pytest.mark.l1
 

@@ -14,7 +14,7 @@ import onnxruntime_genai as og
 import pytest
 
 from exporter.trace.decoder import input_names, output_names
-from helpers.families import (
+from tests.helpers.families import (
     LAYER_NORM_FAMILIES,
     MIXTURE_OF_EXPERTS_FAMILIES,
     PLAIN_ATTENTION_LAYERS,

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_translation_ready import _canonical
 
 from exporter import export
 from exporter.load.layout import derive_layout
 from exporter.load.presets import PRESETS
 from exporter.trace import layer_replicas
 from exporter.trace.decoder import REPLICATED_LAYERS, GenAIDecoder, make_inputs, trace
+from tests.helpers.onnx_graphs import canonical_graph
 
 # A preset for every replicated class, its EP profile, and how many of its layers are traced.
 CASES = [
@@ -42,11 +42,11 @@ CASES = [
 
 
 def _graph(path) -> tuple:
-    """``_canonical``, with the past values' size symbols (``s42``: a copied layer shares its traced
+    """``canonical_graph``, with the past values' size symbols (``s42``: a copied layer shares its traced
     layer's, where a full trace gives each its own) all one name, and weights folded from a node
     (Gemma 2's ``1 + weight`` norm scales), which carry the node's generated name (``add_9``),
     numbered by first use."""
-    nodes, outputs, io = _canonical(path)
+    nodes, outputs, io = canonical_graph(path)
     folded: dict[str, str] = {}
 
     def named(item: str) -> str:

@@ -3,9 +3,6 @@ gives the graph the re-trace gives, and each rewrite keeps what the program comp
 
 from __future__ import annotations
 
-import re
-
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
@@ -15,30 +12,7 @@ from torch.onnx._internal.exporter import _decomp, _registration
 from exporter import export
 from exporter.lower.torch_onnx import lower
 from exporter.trace import translation_ready
-
-
-def _canonical(path) -> tuple:
-    """The graph with values named by where they are made: nodes (domain, op, inputs,
-    attributes), graph inputs and outputs with their types. Generated constants' names (torch.onnx's
-    ``val_N``, the static reshape targets' ``node_<node>_target_N``, which carry FX node names)
-    are numbered by first use; weights keep their names."""
-    graph = onnx.load(str(path), load_external_data=False).graph
-    names = {value.name: value.name for value in graph.input}
-    for tensor in graph.initializer:
-        names[tensor.name] = None if re.fullmatch(r"val_\d+|node_\w+_target_\d+", tensor.name) else "weight:" + tensor.name
-    nodes = []
-    for node in graph.node:
-        inputs = []
-        for name in node.input:
-            if names.get(name, "") is None:
-                names[name] = f"constant{len(names)}"
-            inputs.append(names.get(name, name))
-        for name in node.output:
-            names[name] = f"value{len(names)}"
-        attributes = sorted((a.name, str(onnx.helper.get_attribute_value(a))) for a in node.attribute)
-        nodes.append((node.domain, node.op_type, tuple(inputs), tuple(attributes)))
-    io = [(v.name, str(v.type)) for v in [*graph.input, *graph.output]]
-    return nodes, [names[v.name] for v in graph.output], io
+from tests.helpers.onnx_graphs import canonical_graph
 
 
 @pytest.mark.l2
@@ -57,7 +31,7 @@ def test_the_package_without_the_retrace_is_the_retraced_package(name, ep, prese
     monkeypatch.setattr(translation_ready, "ready_for_translation", lambda program, translated: "the test's reference")
     retraced = export(folder, ep=ep, output_dir=tmp_path / "retraced", cache=False)
     assert retraced.report.sessions["decoder"].lowering == "re-traced by torch.onnx to decompose it (the test's reference)"
-    assert _canonical(skipped.model_path) == _canonical(retraced.model_path)
+    assert canonical_graph(skipped.model_path) == canonical_graph(retraced.model_path)
     data = skipped.model_path.name + ".data"
     assert (skipped.path / data).read_bytes() == (retraced.path / data).read_bytes()
 

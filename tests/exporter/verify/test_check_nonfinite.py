@@ -79,7 +79,7 @@ def tiny_llama(preset_exports):
 
 @pytest.fixture(scope="module")
 def multimodal_package(tmp_path_factory) -> Path:
-    from test_multimodal import save_multimodal_checkpoint
+    from tests.helpers.checkpoints import save_multimodal_checkpoint
 
     folder = tmp_path_factory.mktemp("multimodal")
     checkpoint = save_multimodal_checkpoint(folder / "checkpoint")

@@ -16,7 +16,7 @@ from exporter import ExporterError, export
 from exporter.cli import main
 from exporter.load.compute_dtype import cast_like_from_pretrained
 from exporter.load.presets import build_preset
-from helpers.checkpoints import constant_saved_tensors, perturb_constant_tensors, save_checkpoint
+from tests.helpers.checkpoints import constant_saved_tensors, perturb_constant_tensors, save_checkpoint
 
 
 @pytest.mark.l1
