@@ -69,8 +69,9 @@ class SubstituteGroupQueryAttention:
                              "full_span_layers": 0, "substituted_layers": [], "plain_layers": plain}
         windows = _windows(program, cores, layout)
         graph = program.graph
+        kernel = settings.profile.attention_kernel
         # Layers GroupQueryAttention cannot take keep their traced attention, and why.
-        plain = _plain_layers(cores, windows)
+        plain = _plain_layers(cores, windows, kernel)
         attention_mask = user_input(program, "attention_mask")
         presents: dict[Node, Node] = {}  # a cache's concat -> the present of the marker that owns it
         rotary = None
@@ -79,11 +80,11 @@ class SubstituteGroupQueryAttention:
             if limit is not None:  # counted at fp32, the caches' widest form
                 limit //= 4
             rotary = _RotaryCaches(program, layout.context_length, limit)
-        kernel = settings.profile.attention_kernel
         # (window, KV heads, head size, query heads per KV head) -> the slots its layers share
         window_slots: dict[tuple[int, int, int, int], tuple[Node, Node]] = {}
         position_ids = None  # read once, by the first window layer that rotates its queries
         shared = rotated = masked = full_span = 0
+        sinks: dict[Node, Node] = {}  # a core's sink logits -> them as [heads], made once
         for core, window in zip(cores, windows, strict=True):
             key_cat, value_cat = cache_concat(core.key), cache_concat(core.value)
             if core.layer in plain:
@@ -105,6 +106,7 @@ class SubstituteGroupQueryAttention:
                 else:
                     query_rotary = key_rotary = None
             with graph.inserting_before(core.output):
+                sink = () if core.sink is None else (_heads_vector(graph, core.sink, heads, sinks),)
                 query = _heads_last(graph, core.query, query_rotary)
                 if owner:
                     key = _heads_last(graph, new_key, key_rotary)
@@ -115,7 +117,7 @@ class SubstituteGroupQueryAttention:
                                        kv_heads, kv_heads, core.scale, core.softcap, 0, *caches)
                     else:
                         marker = _call(graph, _GQA, query, key, value, past_key, past_value, attention_mask,
-                                       heads, kv_heads, core.scale, core.softcap, window, *caches)
+                                       heads, kv_heads, core.scale, core.softcap, window, *_rotary_args(caches, sink), *sink)
                     output, present_key, present_value = (_call(graph, operator.getitem, marker, i) for i in range(3))
                 else:
                     present_key, present_value = presents[key_cat], presents[value_cat]
@@ -123,7 +125,7 @@ class SubstituteGroupQueryAttention:
                     if not graph_window:
                         empty = _no_tokens(graph, query, kv_heads * head)
                         marker = _call(graph, _GQA, query, empty, empty, present_key, present_value, attention_mask,
-                                       heads, kv_heads, core.scale, core.softcap, window, *caches)
+                                       heads, kv_heads, core.scale, core.softcap, window, *_rotary_args(caches, sink), *sink)
                         output = _call(graph, operator.getitem, marker, 0)
                 if graph_window:
                     if caches:  # the window attention takes its queries rotated, by one ONNX Runtime kernel
@@ -134,7 +136,7 @@ class SubstituteGroupQueryAttention:
                         slots = _call(graph, _WINDOW_SLOTS, query, attention_mask, *shape)
                         window_slots[shape] = tuple(_call(graph, operator.getitem, slots, i) for i in range(2))
                     output = _call(graph, _WINDOWED, query, present_key, present_value, *window_slots[shape],
-                                   heads, core.scale, core.softcap)
+                                   heads, core.scale, core.softcap, *sink)
                     masked += 1
                     full_span += graph_window != window
             if owner:
@@ -157,6 +159,7 @@ class SubstituteGroupQueryAttention:
             "kv_shared_layers": shared,
             "sliding_window_layers": sum(1 for w in windows if isinstance(w, int) and w),
             "soft_capped_layers": sum(1 for c in cores if c.softcap),
+            "attention_sink_layers": sum(1 for c in cores if c.sink is not None and c.layer not in plain),
             "rotary_in_attention_layers": rotated,
             "window_mask_layers": masked,
             "full_span_layers": full_span,
@@ -221,7 +224,7 @@ def describe_plain_layers(plain: dict) -> str:
                      for why, layers in by_reason.items())
 
 
-def _plain_layers(cores: list[AttentionCore], windows: list[int | str]) -> dict[int, str]:
+def _plain_layers(cores: list[AttentionCore], windows: list[int | str], kernel) -> dict[int, str]:
     """{layer: why} for the layers GroupQueryAttention cannot take. A KV cache is written and read
     in one layout: GroupQueryAttention's (each row's real tokens first) or transformers' (where the
     mask says). So every layer sharing a cache with a plain layer (its owner, or a KV-shared reader)
@@ -241,6 +244,8 @@ def _plain_layers(cores: list[AttentionCore], windows: list[int | str]) -> dict[
             plain[index] = "it reads one layer's keys and another's values"
         elif heads % kv_heads or int(value_cat.meta["val"].shape[3]) != head:
             plain[index] = f"{heads} query heads over {kv_heads} KV heads, or value and key head sizes differ"
+        elif core.sink is not None and not kernel.head_sink:
+            plain[index] = "the EP's GroupQueryAttention drops its attention sinks (head_sink)"
     spreading = True
     while spreading:
         spreading = False
@@ -251,6 +256,19 @@ def _plain_layers(cores: list[AttentionCore], windows: list[int | str]) -> dict[
                 plain[index] = f"it shares its KV cache with layer {cores[source].layer}, which keeps plain attention"
                 spreading = True
     return {cores[index].layer: why for index, why in sorted(plain.items())}
+
+
+def _rotary_args(caches: tuple, sink: tuple) -> tuple:
+    """The marker's cos/sin cache arguments, written out (None) where a sink follows them."""
+    return caches or ((None, None) if sink else ())
+
+
+def _heads_vector(graph: Graph, sink: Node, heads: int, made: dict[Node, Node]) -> Node:
+    """A core's sink logits as the [heads] vector GroupQueryAttention's ``head_sink`` takes."""
+    if sink not in made:
+        made[sink] = sink if tuple(sink.meta["val"].shape) == (heads,) else _call(
+            graph, _aten.reshape.default, sink, [heads])
+    return made[sink]
 
 
 def _output_read(marker: Node) -> bool:

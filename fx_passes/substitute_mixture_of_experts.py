@@ -10,9 +10,13 @@ The pass finds each block from the graph: the nodes traced in one experts module
 ``gate_up_proj`` and ``down_proj`` read by ``index``), the top-k that picks its experts, and the
 softmax over the logits before it. It then checks that the block computes what the MoE op computes
 (``ops.mixture_of_experts``, the reference kernel) by running both on random weights and
-inputs, with and without renormalisation, and substitutes the one that matches. A block whose
-routing or experts differ (Gemma 4's per-expert scales and GELU-gated experts, transposed or biased
-experts) stays as traced, and the report says which and why.
+inputs, with and without renormalisation, with its weights as stored or transposed ([experts, in,
+out], gpt-oss's), and substitutes the one that matches. The experts' biases and the gating's
+constants (gpt-oss: gate and up rows interleaved, ``gate * sigmoid(1.702 * gate) * (up + 1)`` with
+both clamped) are read off the block and checked by the same probe. Routing may be a softmax's
+top k, or the softmax of the logits' top k (gpt-oss), which is the same renormalised. A block whose
+routing or experts differ (Gemma 4's per-expert scales and GELU-gated experts) stays as traced,
+and the report says which and why.
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ _TOLERANCE = 1e-4  # float32 sums in another order; a different routing or activ
 
 
 class _Block:
-    """One experts module's nodes and what feeds them."""
+    """One experts module's nodes and what feeds them (its biases: None where it has none)."""
 
-    def __init__(self, path: str, nodes: list[Node], gate_up: Node, down: Node):
+    def __init__(self, path: str, nodes: list[Node], gate_up: Node, down: Node, gate_up_bias: Node | None = None,
+                 down_bias: Node | None = None):
         self.path, self.nodes, self.gate_up, self.down = path, nodes, gate_up, down
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
         inside = set(nodes)
         self.outputs = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)
                         and any(user not in inside for user in n.users)]
@@ -75,16 +81,27 @@ class SubstituteMixtureOfExperts:
                 plain[block.path] = found
                 continue
             hidden, logits, k = found
-            normalize = _matching_normalisation(program, block, hidden, logits, k)
-            if normalize is None:
-                plain[block.path] = ("computes something else than softmax top-k routing over SiLU-gated experts "
+            form = _matching_form(program, block, hidden, logits, k)
+            if form is None:
+                plain[block.path] = ("computes something else than softmax top-k routing over SwiGLU-gated experts "
                                      "(checked on random weights)")
                 continue
+            transposed, normalize, gating = form
             (output,) = block.outputs
-            with graph.inserting_after(output):
-                fused = graph.call_function(_MIXTURE_OF_EXPERTS, (hidden, logits, block.gate_up, block.down, k, normalize))
+            with graph.inserting_before(output.next):  # new nodes in the order made, after the block
+                gate_up, down = block.gate_up, block.down
+                if transposed:  # stored [experts, in, out]: the op reads [experts, out, in]
+                    gate_up, down = (graph.call_function(_aten.transpose.int, (w, 1, 2)) for w in (gate_up, down))
+                    for weight in (gate_up, down):
+                        weight.meta["val"] = weight.args[0].meta["val"].transpose(1, 2)
+                fused = graph.call_function(_MIXTURE_OF_EXPERTS, (hidden, logits, gate_up, down, k, normalize,
+                                                                  block.gate_up_bias, block.down_bias, *gating))
             fused.meta = {**output.meta, "val": output.meta["val"]}
             output.replace_all_uses_with(fused)
+            # The traced block, in-place adds included (dead-code elimination keeps those).
+            for node in reversed(block.nodes):
+                if not node.users:
+                    graph.erase_node(node)
             substituted.append(block.layer if block.layer is not None else block.path)
         if substituted:
             graph.eliminate_dead_code()
@@ -116,15 +133,16 @@ def _experts_blocks(program: ExportedProgram) -> list[_Block]:
         if node.target is not _aten.index.Tensor or not isinstance(node.args[0], Node):
             continue
         target = targets.get(node.args[0].name, "")
-        for weight in ("gate_up_proj", "down_proj"):
+        for weight in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
             if target.endswith("." + weight):
                 by_path.setdefault(_innermost_path(node), {})[weight] = node.args[0]
     blocks = []
     for path, weights in by_path.items():
-        if set(weights) != {"gate_up_proj", "down_proj"}:
+        if not {"gate_up_proj", "down_proj"} <= set(weights):
             continue
         nodes = [n for n in program.graph.nodes if n.op == "call_function" and _within(n, path)]
-        blocks.append(_Block(path, nodes, weights["gate_up_proj"], weights["down_proj"]))
+        blocks.append(_Block(path, nodes, weights["gate_up_proj"], weights["down_proj"],
+                             weights.get("gate_up_proj_bias"), weights.get("down_proj_bias")))
     return blocks
 
 
@@ -143,35 +161,72 @@ def _routing(block: _Block) -> tuple[Node, Node, int] | str:
     if top_k is None or top_k.target is not _aten.topk.default:
         return "takes expert ids that are not a top-k's indices"
     k, dim, largest = (list(top_k.args[1:4]) + [-1, True])[:3]
-    softmax = top_k.args[0]
-    if dim not in (-1, softmax.meta["val"].dim() - 1) or not largest or softmax.target is not _aten.softmax.int:
+    scores = top_k.args[0]
+    if dim not in (-1, scores.meta["val"].dim() - 1) or not largest:
         return "routes by something other than the top k of a softmax over the experts"
-    logits = softmax.args[0]
+    if scores.target is _aten.softmax.int:  # a softmax's top k
+        logits = scores.args[0]
+    elif any(user.target is _aten.softmax.int for user in _top_values(top_k)):  # the softmax of the logits' top k
+        logits = scores
+    else:
+        return "routes by something other than the top k of a softmax over the experts"
+    # The experts' input: [tokens, hidden], hidden being the weights' in-width as stored or transposed.
+    widths = {int(d) for d in block.gate_up.meta["val"].shape[1:]}
     hidden = [a for n in block.nodes for a in n.all_input_nodes
               if a not in inside and a.op != "placeholder" and isinstance(a.meta.get("val"), torch.Tensor)
-              and a.meta["val"].dim() == 2 and a.meta["val"].shape[-1] == block.gate_up.meta["val"].shape[-1]]
+              and a.meta["val"].dim() == 2 and a.meta["val"].shape[-1] in widths]
     if len(set(hidden)) != 1:
-        return "reads no single [tokens, hidden] input (its experts' weights are not [experts, out, in])"
+        return "reads no single [tokens, hidden] input"
     return hidden[0], logits, int(k)
 
 
-def _matching_normalisation(program: ExportedProgram, block: _Block, hidden: Node, logits: Node, k: int) -> bool | None:
-    """Whether the reference kernel matches the block with renormalised routing weights (True),
-    without (False), or neither (None), on random weights and inputs of the traced shapes."""
+def _top_values(top_k: Node) -> list[Node]:
+    """The readers of a top-k's values."""
+    return [user for item in top_k.users if item.target is operator.getitem and item.args[1] == 0
+            for user in item.users]
+
+
+def _gating(block: _Block) -> tuple[bool, float, float, float | None]:
+    """(gate and up rows interleaved, alpha, beta, limit) as the block's nodes write them: rows
+    taken by step-2 slices; the constant the gate is scaled by inside its sigmoid; the one added to
+    the up half; the clamps' bound. Defaults where absent (SiLU gating); the probe checks them."""
+    interleaved = any(n.target is _aten.slice.Tensor and len(n.args) > 4 and n.args[4] == 2 for n in block.nodes)
+    alpha = next((float(n.args[1]) for n in block.nodes if n.target is _aten.mul.Tensor
+                  and isinstance(n.args[1], (int, float)) and any(u.target is _aten.sigmoid.default for u in n.users)),
+                 1.0)
+    clamps = [n for n in block.nodes if n.target is _aten.clamp.default]
+    limit = max((float(n.args[2]) for n in clamps if len(n.args) > 2 and isinstance(n.args[2], (int, float))),
+                default=None)
+    beta = next((float(n.args[1]) for n in block.nodes if n.target in (_aten.add.Tensor,)
+                 and isinstance(n.args[1], (int, float)) and n.args[0] in clamps), 0.0)
+    return interleaved, alpha, beta, limit
+
+
+def _matching_form(program: ExportedProgram, block: _Block, hidden: Node, logits: Node,
+                   k: int) -> tuple[bool, bool, tuple[bool, float, float, float | None]] | None:
+    """(weights transposed, routing weights renormalised, the gating ``_gating`` read) with which
+    the reference kernel matches the block, or None, on random weights and inputs of the traced
+    shapes (biases and weights of order 1, so a clamp of order 1 takes effect)."""
     generator = torch.Generator().manual_seed(0)
     probe = probe_inputs(program, length=_PROBE_TOKENS)
     sizes = _symbol_sizes(program, probe)
     given = {hidden: _random(hidden, sizes, generator), logits: _random(logits, sizes, generator)}
     weights = {node: _random(node, sizes, generator) * 0.2 for node in (block.gate_up, block.down)}
+    biases = {node: _random(node, sizes, generator) for node in (block.gate_up_bias, block.down_bias) if node is not None}
     try:
-        want = _evaluate(block.outputs[0], {**given, **weights}, program, probe, sizes, generator)
+        want = _evaluate(block.outputs[0], {**given, **weights, **biases}, program, probe, sizes, generator)
     except _NotEvaluable:
         return None
-    for normalize in (True, False):
-        got = ops.mixture_of_experts(given[hidden], given[logits], weights[block.gate_up], weights[block.down],
-                                         k, normalize)
-        if got.shape == want.shape and torch.allclose(got, want, atol=_TOLERANCE, rtol=_TOLERANCE):
-            return normalize
+    gating = _gating(block)
+    for transposed in (False, True):
+        gate_up, down = (weights[w].transpose(1, 2) if transposed else weights[w] for w in (block.gate_up, block.down))
+        if gate_up.shape[2] != given[hidden].shape[1] or down.shape[1] != want.shape[-1]:
+            continue
+        for normalize in (True, False):
+            got = ops.mixture_of_experts(given[hidden], given[logits], gate_up, down, k, normalize,
+                                         biases.get(block.gate_up_bias), biases.get(block.down_bias), *gating)
+            if got.shape == want.shape and torch.allclose(got, want, atol=_TOLERANCE, rtol=_TOLERANCE):
+                return transposed, normalize, gating
     return None
 
 

@@ -280,12 +280,13 @@ class _Quantizer:
         same block quantizer as a MatMul's, its blob [out, blocks, block/2] read as [out, in/2] and
         its scales as [out, blocks] (QMoE's block-wise layout: value = (q - 8) * scale, low nibble
         first, measured against MoE on ONNX Runtime 1.32's CPU kernel): symmetric whatever the
-        options say, since that layout has no zero points. Only blocks that divide both widths,
-        experts without biases, and 4-bit exports; otherwise the block stays fp32."""
+        options say, since that layout has no zero points. The experts' biases (gpt-oss's) stay in
+        the activation dtype. Only blocks that divide both widths and 4-bit exports; otherwise the
+        block stays fp32."""
         block = self.options.block_size
         fc1, fc2 = node.inputs[2], node.inputs[4]
-        biases = [v for i, v in enumerate(node.inputs) if i in (3, 5) and v is not None]
-        if (self.bits != 4 or len(node.inputs) > 5 or biases or not _is_experts_weight(fc1) or not _is_experts_weight(fc2)
+        fc1_bias, fc2_bias = (node.inputs[i] if len(node.inputs) > i else None for i in (3, 5))
+        if (self.bits != 4 or len(node.inputs) > 6 or not _is_experts_weight(fc1) or not _is_experts_weight(fc2)
                 or fc1.shape[2] % block or fc2.shape[2] % block):
             return False
         inputs = [node.inputs[0], node.inputs[1]]
@@ -300,8 +301,9 @@ class _Quantizer:
                                  type=ir.TensorType(dtype), shape=ir.Shape(shape))
                 graph.register_initializer(value)
                 inputs.append(value)
-            if weight is fc1:
-                inputs.append(None)  # fc1 bias
+            inputs.append(fc1_bias if weight is fc1 else fc2_bias)
+        while inputs[-1] is None:
+            inputs.pop()
         attributes = {name: attr.value for name, attr in node.attributes.items()}
         attributes.update(expert_weight_bits=4, block_size=block)
         _swap(graph, node, [ir.node("QMoE", inputs, attributes, domain=MICROSOFT, name=f"{node.name}.int4")])

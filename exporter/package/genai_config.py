@@ -10,9 +10,12 @@ from exporter.load.layout import DecoderLayout
 
 # Model types ONNX Runtime GenAI 0.18 knows as plain decoder LMs (read from its library's strings).
 GENAI_DECODER_TYPES = frozenset(
-    {"gemma", "gemma2", "gemma3_text", "gemma4_text", "granite", "llama", "mistral", "nemotron",
+    {"gemma", "gemma2", "gemma3_text", "gemma4_text", "gptoss", "granite", "llama", "mistral", "nemotron",
      "olmo", "phi3", "qwen2", "qwen3", "smollm3"}
 )
+# transformers' model_type -> GenAI's name for it, where they differ (GenAI's builder writes the
+# architecture's name before "For", lowercased: GptOssForCausalLM -> gptoss).
+_GENAI_NAMES = {"gpt_oss": "gptoss"}
 # ONNX Runtime GenAI treats every decoder-only type alike given the I/O names below; a family it
 # does not list is written as this one, and the report says so.
 FALLBACK_DECODER_TYPE = "llama"
@@ -20,7 +23,8 @@ MULTIMODAL_TYPE = "gemma4"
 
 
 def genai_model_type(layout: DecoderLayout) -> str:
-    return layout.model_type if layout.model_type in GENAI_DECODER_TYPES else FALLBACK_DECODER_TYPE
+    name = _GENAI_NAMES.get(layout.model_type, layout.model_type)
+    return name if name in GENAI_DECODER_TYPES else FALLBACK_DECODER_TYPE
 
 
 def _token_ids(value) -> int | list[int] | None:

@@ -2,8 +2,10 @@
 repeated cached keys and values, and a mask.
 
 Two forms occur in transformers' graphs: ``aten.scaled_dot_product_attention`` (the SDPA
-implementation) and the eager chain ``matmul(q, k^T) -> scale -> [soft-cap] -> + mask -> softmax
--> matmul(., v)`` (gemma2, whose soft-capping SDPA cannot express). Both are read into one record;
+implementation) and the eager chain ``matmul(q, k^T) -> scale -> [soft-cap] -> + mask -> [sink]
+-> softmax -> [drop sink] -> matmul(., v)`` (gemma2, whose soft-capping SDPA cannot express; gpt-oss,
+whose learned per-head sink logit joins the softmax as one more column that is then dropped, the
+softmax's input shifted by its row maximum first). Both are read into one record;
 anything else between the two matmuls is refused, so a core is only substituted when its math is
 fully understood. Which cache a core reads is found by walking back from its key and value
 through the layout ops of ``repeat_kv`` to the ``cat`` that appends new tokens to the past.
@@ -11,6 +13,8 @@ through the layout ops of ``repeat_kv`` to the ``cat`` that appends new tokens t
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +52,9 @@ class AttentionCore:
     softcap: float
     output: Node
     nodes: list[Node]
+    # The per-head logit that joins each softmax's denominator and reaches no value (gpt-oss's
+    # ``sinks``), as the node it is broadcast from (``heads`` elements); None: no sink.
+    sink: Node | None = None
 
 
 def find_attention_cores(program: ExportedProgram) -> list[AttentionCore]:
@@ -89,12 +96,34 @@ def _is_scores_matmul(node: Node) -> bool:
         return False
     current = node
     for _ in range(8):
-        if len(current.users) != 1:
+        follows = _next_in_chain(current)
+        if follows is None:
             return False
-        current = next(iter(current.users))
+        current = follows[0]
         if current.target in (_aten.softmax.int, _aten._softmax.default):
             return True
     return False
+
+
+def _next_in_chain(node: Node) -> tuple[Node, Node, list[Node]] | None:
+    """The one node that reads ``node`` in a chain of scores, what it reads, and the nodes skipped
+    on the way: a shift by the row maximum, ``x - max(x, -1, keepdim).values`` (what a softmax
+    computes anyway: gpt-oss writes it out), is looked through. None where ``node`` has other
+    readers."""
+    if len(node.users) == 1:
+        return next(iter(node.users)), node, []
+    if len(node.users) != 2:
+        return None
+    maximum = next((u for u in node.users if u.target is _aten.max.dim), None)
+    shift = next((u for u in node.users if u.target is _aten.sub.Tensor), None)
+    if maximum is None or shift is None or tuple(maximum.args[1:]) not in ((-1, True), (3, True)):
+        return None
+    values = [u for u in maximum.users if u.target is operator.getitem and u.args[1] == 0]
+    indices = [u for u in maximum.users if u.target is operator.getitem and u.args[1] == 1]
+    if (len(values) != 1 or any(u.users for u in indices) or len(maximum.users) != len(values) + len(indices)
+            or tuple(shift.args) != (node, values[0]) or len(values[0].users) != 1 or len(shift.users) != 1):
+        return None
+    return next(iter(shift.users)), shift, [maximum, *values, *indices, shift]
 
 
 def _scalar(node: Node) -> float | None:
@@ -103,15 +132,16 @@ def _scalar(node: Node) -> float | None:
 
 
 def _eager_core(scores: Node) -> AttentionCore:
-    """Read scale, soft-cap and mask off the chain between the two matmuls. The chain must read
-    ``[* or / constant]... [/ c -> tanh -> * c] [+ mask] -> softmax``; any other op is refused."""
+    """Read scale, soft-cap, mask and sink off the chain between the two matmuls. The chain must read
+    ``[* or / constant]... [/ c -> tanh -> * c] [+ mask] [cat sink] [- row max] -> softmax [-> drop
+    the sink's column]``; any other op is refused."""
     query, key_t = scores.args
     if sorted(d % 4 for d in key_t.args[1:]) != [2, 3]:
         raise PassDidNotApply(f"{key_t.name}: keys transposed over axes {key_t.args[1:]}")
     nodes, steps = [scores, key_t], []
-    previous, current = scores, next(iter(scores.users))
+    current, previous = _follow(scores, nodes)
     while current.target not in (_aten.softmax.int, _aten._softmax.default):
-        if current.args[0] is not previous:
+        if _first_operand(current) is not previous:
             raise PassDidNotApply(f"{current.name}: attention scores enter {current.target} as a later operand")
         constant = _scalar(current) if current.target in (_aten.mul.Tensor, _aten.div.Tensor) else None
         if constant is not None:
@@ -120,11 +150,13 @@ def _eager_core(scores: Node) -> AttentionCore:
             steps.append(("tanh", None))
         elif current.target is _aten.add.Tensor and isinstance(current.args[1], Node):
             steps.append(("mask", current.args[1]))
+        elif current.target is _aten.cat.default:
+            steps.append(("sink", _sink_logits(current, previous)))
         else:
             raise PassDidNotApply(f"{scores.name}: attention scores pass through {current.target}, "
                                   "which GroupQueryAttention cannot express")
         nodes.append(current)
-        previous, current = current, next(iter(current.users))
+        current, previous = _follow(current, nodes)
     if current.args[0] is not previous:
         raise PassDidNotApply(f"{current.name}: the softmax does not read the attention scores")
     softmax = current
@@ -132,6 +164,10 @@ def _eager_core(scores: Node) -> AttentionCore:
         raise PassDidNotApply(f"{softmax.name}: softmax over axis {softmax.args[1]}, not the keys")
     nodes.append(softmax)
 
+    sink = steps.pop()[1] if steps and steps[-1][0] == "sink" else None
+    if sink is not None:
+        softmax = _sink_dropped(softmax)
+        nodes.append(softmax)
     mask = steps.pop()[1] if steps and steps[-1][0] == "mask" else None
     softcap = 0.0
     if len(steps) >= 3 and steps[-2][0] == "tanh" and steps[-3][0] == "/" and steps[-1] == ("*", steps[-3][1]):
@@ -159,7 +195,59 @@ def _eager_core(scores: Node) -> AttentionCore:
         nodes.append(current)
     nodes.append(current)
     return AttentionCore(layer_index(scores), query, key_t.args[0], current.args[1], mask, False, scale, softcap,
-                         current, nodes)
+                         current, nodes, sink)
+
+
+def _follow(node: Node, nodes: list[Node]) -> tuple[Node, Node]:
+    """The next step of a chain of scores and the node it reads (``_next_in_chain``); the nodes
+    skipped go to ``nodes``."""
+    follows = _next_in_chain(node)
+    if follows is None:
+        raise PassDidNotApply(f"{node.name}: attention scores have {len(node.users)} readers")
+    reader, read, skipped = follows
+    nodes.extend(skipped)
+    return reader, read
+
+
+def _first_operand(node: Node):
+    """The scores operand of a chain step (``cat`` takes its operands as a list)."""
+    if node.target is _aten.cat.default:
+        return node.args[0][0] if len(node.args[0]) == 2 else None
+    return node.args[0]
+
+
+def _sink_logits(concat: Node, scores: Node) -> Node:
+    """The node a sink column appended to the scores is broadcast from: ``cat([scores, sinks], -1)``
+    with ``sinks`` [batch, heads, seq, 1] a broadcast of one logit per head (``heads`` elements)."""
+    parts, dim = concat.args[0], concat.args[1] if len(concat.args) > 1 else 0
+    heads = int(scores.meta["val"].shape[1])
+    sinks = parts[1]
+    if dim not in (-1, 3) or not isinstance(sinks, Node) or not same_shape(
+            sinks.meta["val"].shape, (*scores.meta["val"].shape[:3], 1)):
+        raise PassDidNotApply(f"{concat.name}: attention scores concatenated with something other than one "
+                              "column of sink logits")
+    source = sinks
+    while source.op == "call_function" and source.target in _LAYOUT_OPS and _elements(source) != heads:
+        source = source.args[0]
+    if _elements(source) != heads:
+        raise PassDidNotApply(f"{concat.name}: the appended score column is not one logit per head")
+    return source
+
+
+def _elements(node: Node) -> int | None:
+    """How many elements ``node`` holds, where its shape is static."""
+    shape = node.meta["val"].shape
+    return math.prod(int(d) for d in shape) if all(isinstance(d, int) for d in shape) else None
+
+
+def _sink_dropped(softmax: Node) -> Node:
+    """The ``slice(softmax, -1, 0, -1)`` that drops the sink's column (its weight reaches no value)."""
+    users = list(softmax.users)
+    drop = users[0] if len(users) == 1 else None
+    if (drop is None or drop.target is not _aten.slice.Tensor or drop.args[1] not in (-1, 3)
+            or tuple(drop.args[2:4]) != (0, -1) or (len(drop.args) > 4 and drop.args[4] != 1)):
+        raise PassDidNotApply(f"{softmax.name}: a softmax over a sink column whose weight is not dropped")
+    return drop
 
 
 def cache_concat(node: Node) -> Node:

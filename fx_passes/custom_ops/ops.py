@@ -121,6 +121,7 @@ def group_query_attention(
     local_window_size: int,
     cos_cache: torch.Tensor | None = None,
     sin_cache: torch.Tensor | None = None,
+    head_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ONNX Runtime's ``com.microsoft.GroupQueryAttention`` (separate past and present buffers),
     with ``seqlens_k`` and ``total_sequence_length`` taken from the attention mask.
@@ -136,7 +137,8 @@ def group_query_attention(
     ``softcap`` > 0 caps scores as ``softcap * tanh(scores / softcap)``. With ``cos_cache`` and
     ``sin_cache`` [max_positions, head / 2], query and new key are first rotated (transformers'
     ``rotate_half`` form) at their positions, a new key's being its slot in the row's cache.
-    ONNX Runtime rejects batch > 1 with several new tokens after a past (GenAI never sends it);
+    ``head_sink`` [num_heads]: a logit per head that joins each softmax's denominator (a column of
+    scores whose weight reaches no value; gpt-oss's learned sinks). ONNX Runtime rejects batch > 1 with several new tokens after a past (GenAI never sends it);
     this kernel computes it anyway, for tests. Returns the attention output
     [batch, seq, num_heads * head] and the present key/value
     [batch, kv_num_heads, past + new, head]. (Where nobody reads the present, a KV-shared layer's,
@@ -171,13 +173,15 @@ def group_query_attention(
     visible = (slots[None, None, :] <= positions[:, :, None]) & (slots[None, None, :] < real[:, None, None])
     if local_window_size > 0:
         visible &= slots[None, None, :] > positions[:, :, None] - local_window_size
-    output = _attend(query, present_key, present_value, visible, num_heads, scale, softcap)
+    output = _attend(query, present_key, present_value, visible, num_heads, scale, softcap, head_sink)
     return output, present_key, present_value
 
 
-def _attend(query, keys, values, visible, num_heads: int, scale: float, softcap: float) -> torch.Tensor:
+def _attend(query, keys, values, visible, num_heads: int, scale: float, softcap: float,
+            head_sink: torch.Tensor | None = None) -> torch.Tensor:
     """query [batch, seq, num_heads * head] over keys/values [batch, kv_heads, slots, head] where
-    ``visible`` [batch, seq, slots]; query head h reads KV head h // (num_heads / kv_heads)."""
+    ``visible`` [batch, seq, slots]; query head h reads KV head h // (num_heads / kv_heads), and
+    ``head_sink[h]`` joins its softmax's denominator."""
     batch, seq, _ = query.shape
     head = keys.shape[3]
     groups = num_heads // keys.shape[1]
@@ -188,7 +192,11 @@ def _attend(query, keys, values, visible, num_heads: int, scale: float, softcap:
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key gets 0
+    if head_sink is not None:
+        sink = head_sink.to(scores.dtype).view(1, num_heads, 1, 1).expand(*scores.shape[:3], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key gets 0
     return (weights @ v).transpose(1, 2).reshape(batch, seq, num_heads * head)
 
 
@@ -206,7 +214,7 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, heads: int, cos_cache, sin
 
 @group_query_attention.register_fake
 def _(query, key, value, past_key, past_value, attention_mask, num_heads, kv_num_heads, scale, softcap,
-      local_window_size, cos_cache=None, sin_cache=None):
+      local_window_size, cos_cache=None, sin_cache=None, head_sink=None):
     shape = list(past_key.shape)
     shape[2] = past_key.shape[2] + key.shape[1]
     return query.new_empty(query.shape), past_key.new_empty(shape), past_value.new_empty(shape)
@@ -245,7 +253,7 @@ _ATTR = onnx.defs.OpSchema.AttrType
 _GROUP_QUERY_ATTENTION = _contrib_op(
     "GroupQueryAttention",
     ["query", "key", "value", "past_key", "past_value", "seqlens_k:M", "total_sequence_length:M", "cos_cache?",
-     "sin_cache?"],
+     "sin_cache?", "position_ids?:P", "attention_bias?", "head_sink?"],
     ["output", "present_key", "present_value"],
     {"num_heads": _ATTR.INT, "kv_num_heads": _ATTR.INT, "scale": _ATTR.FLOAT, "softcap": _ATTR.FLOAT,
      "local_window_size": _ATTR.INT, "do_rotary": _ATTR.INT, "rotary_interleaved": _ATTR.INT},
@@ -254,7 +262,7 @@ _GROUP_QUERY_ATTENTION = _contrib_op(
 
 def _group_query_attention_onnx(query, key, value, past_key, past_value, attention_mask, num_heads: int,
                                 kv_num_heads: int, scale: float, softcap: float, local_window_size: int,
-                                cos_cache=None, sin_cache=None):
+                                cos_cache=None, sin_cache=None, head_sink=None):
     # Identical in every layer: the ONNX common-subexpression pass keeps one copy. In int32 and
     # without Shape, so the EP runs it on the device (graph capture needs that): the total length
     # is the longest row's real tokens, which is the mask's width for ONNX Runtime GenAI's batches
@@ -264,8 +272,9 @@ def _group_query_attention_onnx(query, key, value, past_key, past_value, attenti
     seqlens_k = op.Sub(real, op.Constant(value=onnx.helper.make_tensor("one", onnx.TensorProto.INT32, [], [1])))
     total = op.ReduceMax(real, keepdims=0)
     rotary = {} if cos_cache is None else {"do_rotary": 1, "rotary_interleaved": 0}
+    sink = () if head_sink is None else (None, None, head_sink)
     return _GROUP_QUERY_ATTENTION(
-        query, key, value, past_key, past_value, seqlens_k, total, cos_cache, sin_cache,
+        query, key, value, past_key, past_value, seqlens_k, total, cos_cache, sin_cache, *sink,
         num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
         local_window_size=local_window_size if local_window_size > 0 else -1,  # ORT: -1 = no window
         _outputs=3, **rotary,
@@ -398,6 +407,7 @@ def window_attention(
     num_heads: int,
     scale: float,
     softcap: float,
+    head_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sliding-window attention of rotated queries over the KV-buffer slots
     ``sliding_window_slots`` picked, for EPs whose GroupQueryAttention ignores
@@ -405,16 +415,16 @@ def window_attention(
 
     query [batch, seq, num_heads * head] (already rotated); key/value buffers
     [batch, kv_num_heads, slots, head]; slot_index [batch, kv_num_heads, span, head] and
-    score_bias [batch, seq, groups, span] from ``sliding_window_slots``. Returns
-    [batch, seq, num_heads * head].
+    score_bias [batch, seq, groups, span] from ``sliding_window_slots``; ``head_sink`` as for
+    ``group_query_attention``. Returns [batch, seq, num_heads * head].
     """
     index = slot_index.to(torch.int64)
     keys, values = torch.gather(key_buffer, 2, index), torch.gather(value_buffer, 2, index)
-    return _attend(query, keys, values, score_bias[:, :, 0] == 0, num_heads, scale, softcap)
+    return _attend(query, keys, values, score_bias[:, :, 0] == 0, num_heads, scale, softcap, head_sink)
 
 
 @window_attention.register_fake
-def _(query, key_buffer, value_buffer, slot_index, score_bias, num_heads, scale, softcap):
+def _(query, key_buffer, value_buffer, slot_index, score_bias, num_heads, scale, softcap, head_sink=None):
     return query.new_empty(query.shape)
 
 
@@ -429,7 +439,7 @@ def _rotary_embedding_onnx(x, position_ids, cos_cache, sin_cache, num_heads: int
 
 
 def _window_attention_onnx(query, key_buffer, value_buffer, slot_index, score_bias, num_heads: int, scale: float,
-                           softcap: float):
+                           softcap: float, head_sink=None):
     """GatherElements of the window's slots, then MatMul/Softmax over them with the window's
     score bias added. Each KV head takes its group of query heads as extra query rows, in the
     order the bias already has (token, group), so one KV head (Gemma 4's sliding layers) needs
@@ -460,7 +470,19 @@ def _window_attention_onnx(query, key_buffer, value_buffer, slot_index, score_bi
         cap = op.CastLike(softcap, query)
         scores = op.Mul(op.Tanh(op.Div(scores, cap)), cap)
     bias = op.Reshape(score_bias, [0, 1, -1, 0])  # [batch, 1, seq * groups, span], one per step after CSE
-    out = op.MatMul(op.Softmax(op.Add(scores, bias), axis=-1), values)  # [batch, kv, seq * groups, head]
+    scores = op.Add(scores, bias)
+    if head_sink is None:
+        weights = op.Softmax(scores, axis=-1)
+    else:
+        # One more column of scores, each row's head's sink logit, whose weight is dropped. Built
+        # from a zeroed column of the scores, not from a Shape (graph capture keeps shapes off the
+        # CPU): rows are (token, group) per KV head, so the sinks broadcast as [kv, 1, groups].
+        zero = op.Mul(op.Slice(scores, [0], [1], [3]), op.CastLike(0.0, query))  # [batch, kv, seq * groups, 1]
+        sinks = op.Reshape(head_sink, [1, kv_num_heads, 1, groups])
+        column = op.Reshape(op.Add(op.Reshape(zero, [0, 0, -1, groups]), sinks), [0, 0, -1, 1])
+        weights = op.Softmax(op.Concat(scores, column, axis=-1), axis=-1)
+        weights = op.Slice(weights, [0], [-1], [3])
+    out = op.MatMul(weights, values)  # [batch, kv, seq * groups, head]
     if kv_num_heads > 1:
         out = op.Transpose(op.Reshape(out, [0, kv_num_heads, -1, groups, head]), perm=[0, 2, 1, 3, 4])
     return op.Reshape(out, [0, -1, num_heads * head])
@@ -474,32 +496,47 @@ def mixture_of_experts(
     down: torch.Tensor,
     k: int,
     normalize: bool,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    interleaved: bool = False,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """A routed-experts block with SiLU-gated experts, as ONNX Runtime's ``com.microsoft.MoE``
+    """A routed-experts block with SwiGLU-gated experts, as ONNX Runtime's ``com.microsoft.MoE``
     computes it: softmax over the experts' logits (in float32), the ``k`` largest, renormalised to
-    sum to 1 where ``normalize``; each picked expert e computes ``down[e] @ (silu(g) * u)`` with
-    ``g, u`` the two halves of ``gate_up[e] @ x``; the outputs are summed with their routing
-    weights. hidden [tokens, hidden], router_logits [tokens, experts], gate_up
-    [experts, 2 * inner, hidden] (gate rows first, transformers' layout), down [experts, hidden,
-    inner]. Returns [tokens, hidden]."""
+    sum to 1 where ``normalize``; each picked expert e computes ``g, u = gate_up[e] @ x (+
+    gate_up_bias[e])`` (gate rows first, or alternating gate and up rows where ``interleaved``),
+    then ``down[e] @ (g' * sigmoid(alpha * g') * (u' + beta)) (+ down_bias[e])`` with ``g' = min(g,
+    limit)`` and ``u' = clamp(u, -limit, limit)`` (SiLU gating: alpha 1, beta 0, no limit (None); gpt-oss:
+    1.702, 1 and its ``swiglu_limit``); the outputs are summed with their routing weights. hidden
+    [tokens, hidden], router_logits [tokens, experts], gate_up [experts, 2 * inner, hidden], down
+    [experts, hidden, inner], biases [experts, rows]. Returns [tokens, hidden]."""
     probabilities = torch.softmax(router_logits.float(), dim=-1)
     weights, experts = torch.topk(probabilities, k, dim=-1)  # [tokens, k]
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     projected = torch.einsum("tkoh,th->tko", gate_up[experts].float(), hidden.float())  # [tokens, k, 2 * inner]
-    gate, up = projected.chunk(2, dim=-1)
-    out = torch.einsum("tkhi,tki->tkh", down[experts].float(), torch.nn.functional.silu(gate) * up)
+    if gate_up_bias is not None:
+        projected = projected + gate_up_bias[experts].float()
+    gate, up = (projected[..., ::2], projected[..., 1::2]) if interleaved else projected.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    out = torch.einsum("tkhi,tki->tkh", down[experts].float(), gate * torch.sigmoid(alpha * gate) * (up + beta))
+    if down_bias is not None:
+        out = out + down_bias[experts].float()
     return (out * weights[..., None]).sum(dim=1).to(hidden.dtype)
 
 
 @mixture_of_experts.register_fake
-def _(hidden, router_logits, gate_up, down, k, normalize):
+def _(hidden, router_logits, gate_up, down, k, normalize, gate_up_bias=None, down_bias=None, interleaved=False,
+      alpha=1.0, beta=0.0, limit=None):
     return hidden.new_empty(hidden.shape)
 
 
 _MIXTURE_OF_EXPERTS = _contrib_op(
     "MoE",
-    ["input", "router_probs", "fc1_experts_weights", "fc1_experts_bias?", "fc2_experts_weights"],
+    ["input", "router_probs", "fc1_experts_weights", "fc1_experts_bias?", "fc2_experts_weights", "fc2_experts_bias?"],
     ["output"],
     {"k": _ATTR.INT, "normalize_routing_weights": _ATTR.INT, "activation_type": _ATTR.STRING,
      "swiglu_fusion": _ATTR.INT, "activation_alpha": _ATTR.FLOAT, "activation_beta": _ATTR.FLOAT,
@@ -507,22 +544,29 @@ _MIXTURE_OF_EXPERTS = _contrib_op(
 )
 
 
-def _mixture_of_experts_onnx(hidden, router_logits, gate_up, down, k: int, normalize: bool):
+def _mixture_of_experts_onnx(hidden, router_logits, gate_up, down, k: int, normalize: bool, gate_up_bias=None,
+                             down_bias=None, interleaved: bool = False, alpha: float = 1.0, beta: float = 0.0,
+                             limit: float | None = None):
     """ONNX Runtime's CPU MoE takes gated experts only as interleaved rows (gate 0, up 0, gate 1,
-    up 1, ...: ``swiglu_fusion=1``); its "swiglu" is ``g * sigmoid(alpha * g) * (u + beta)``
-    clamped to ``swiglu_limit``, SiLU gating with alpha 1, beta 0 and no limit. The interleave is
-    a Reshape/Transpose/Reshape of the stored weight, which ``fold_weight_transposes`` turns into
-    one initializer written in that order."""
+    up 1, ...: ``swiglu_fusion=1``); its "swiglu" is ``g * sigmoid(alpha * g) * (u + beta)`` with
+    g and u clamped to ``swiglu_limit``. Weights whose gate rows come first are interleaved by a
+    Reshape/Transpose/Reshape of the stored weight (and their bias), which ``fold_weight_transposes``
+    turns into one initializer written in that order."""
     shape = gate_up.shape
     if shape is None or not all(isinstance(d, int) for d in shape):
         raise ValueError("mixture_of_experts needs static expert weight shapes")
     experts, rows, width = shape
-    halves = op.Reshape(gate_up, op.Constant(value_ints=[experts, 2, rows // 2, width]))
-    interleaved = op.Reshape(op.Transpose(halves, perm=[0, 2, 1, 3]), op.Constant(value_ints=[experts, rows, width]))
+    if not interleaved:
+        halves = op.Reshape(gate_up, op.Constant(value_ints=[experts, 2, rows // 2, width]))
+        gate_up = op.Reshape(op.Transpose(halves, perm=[0, 2, 1, 3]), op.Constant(value_ints=[experts, rows, width]))
+        if gate_up_bias is not None:
+            halves = op.Reshape(gate_up_bias, op.Constant(value_ints=[experts, 2, rows // 2]))
+            gate_up_bias = op.Reshape(op.Transpose(halves, perm=[0, 2, 1]), op.Constant(value_ints=[experts, rows]))
+    biases = () if gate_up_bias is None and down_bias is None else (down_bias,)
     return _MIXTURE_OF_EXPERTS(
-        hidden, router_logits, interleaved, None, down, k=k, normalize_routing_weights=int(normalize),
-        activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-        swiglu_limit=float("inf"),
+        hidden, router_logits, gate_up, gate_up_bias, down, *biases, k=k, normalize_routing_weights=int(normalize),
+        activation_type="swiglu", swiglu_fusion=1, activation_alpha=float(alpha), activation_beta=float(beta),
+        swiglu_limit=float("inf") if limit is None else float(limit),
     )
 
 

@@ -1,23 +1,26 @@
-"""gpt-oss: a family the GroupQueryAttention pass was not built for exports with transformers'
-attention in every layer (the fallback), and matches transformers.
+"""gpt-oss: learned attention sinks through GroupQueryAttention's ``head_sink``, alternating sliding
+and full layers, YaRN, and routed experts with biases and a clamped SwiGLU through ONNX Runtime's
+``MoE`` (``QMoE`` at int4) on cpu; on webgpu the experts stay traced.
 
-gpt-oss's eager attention appends a learned sink logit per head to the scores before the softmax,
-a form the attention-core matcher does not recognise: the pass leaves every layer plain and the
-report says why, instead of failing the export. The checkpoint is the ``tiny-gpt-oss`` preset with
-its constants moved (``move_constant_tensors``) and, as trained weights have them, sinks of order 1
-and expert and attention biases far from zero (init leaves them near zero, where dropping them
-would go unseen), saved by ``save_pretrained``; packages are exported from the folder (streamed)
-and from transformers' load of it in memory.
+The checkpoint is the ``tiny-gpt-oss`` preset with its constants moved (``perturb_constant_tensors``)
+and, as trained weights have them, sinks of order 1 and biases off zero (init leaves them near zero,
+where dropping them would go unseen), saved by ``save_pretrained``; packages are exported from the
+folder (streamed) and from transformers' load of it in memory. The biases are drawn at the weights'
+own scale (0.02): larger ones swamp this tiny model into repeating one token, where a greedy
+comparison could not fail.
 """
 
 from __future__ import annotations
 
 import json
 
+import onnx
 import pytest
 import torch
 import transformers
+from onnx import helper
 
+from ep_profiles import get_profile
 from exporter import ExporterError, export
 from exporter.load.presets import build_preset
 from tests.helpers.checkpoints import perturb_constant_tensors, save_checkpoint
@@ -29,6 +32,7 @@ from tests.helpers.generation import (
     transformers_greedy,
 )
 from tests.helpers.parity import TOLERANCE, check_parity
+from tests.helpers.webgpu import require_webgpu
 
 PRESET = "tiny-gpt-oss"
 
@@ -44,7 +48,7 @@ def checkpoint(tmp_path_factory):
             if name.endswith("sinks"):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 2.0)
             elif "bias" in name:
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
     folder = save_checkpoint(model, tokenizer, tmp_path_factory.mktemp("gpt_oss") / "checkpoint")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return folder, reloaded, tokenizer
@@ -59,37 +63,48 @@ def packages(checkpoint, tmp_path_factory):
 
 
 @pytest.mark.l1
-def test_sinks_and_biases_decide_the_logits(checkpoint):
-    """The reference would show a dropped sink: zeroing the sinks moves its logits by far more than
-    the parity tolerance (1e-4) that the L3 test holds the package to."""
+@pytest.mark.parametrize("dropped", ["sinks", "bias"])
+def test_sinks_and_biases_decide_the_logits(checkpoint, dropped):
+    """The reference would show a dropped sink or bias: zeroing them moves its logits by far more
+    than the parity tolerance (1e-4) that the L3 test holds the package to."""
     model = checkpoint[1]
     ids = torch.tensor([LONG_PROMPT])
     with torch.no_grad():
         want = model(ids).logits
-        sinks = {n: p.clone() for n, p in model.named_parameters() if n.endswith("sinks")}
+        kept = {n: p.clone() for n, p in model.named_parameters() if n.endswith(dropped)}
         for name, parameter in model.named_parameters():
-            if name in sinks:
+            if name in kept:
                 parameter.zero_()
         without = model(ids).logits
         for name, parameter in model.named_parameters():
-            if name in sinks:
-                parameter.copy_(sinks[name])
-    assert torch.isfinite(want).all() and torch.isfinite(without).all()
+            if name in kept:
+                parameter.copy_(kept[name])
+    assert kept and torch.isfinite(want).all() and torch.isfinite(without).all()
     assert float((want - without).abs().max()) > 100 * TOLERANCE
 
 
 @pytest.mark.l1
 @pytest.mark.parametrize("source", ["folder", "in memory"])
-def test_every_layer_falls_back_to_plain_attention_with_a_reason(packages, source):
+def test_sinks_go_to_head_sink_and_experts_to_moe(packages, checkpoint, source):
     package = packages[source]
-    record = next(r for r in package.report.fx_passes if r["name"] == "substitute_group_query_attention")
-    plain = record["changes"]["plain_layers"]
-    assert sorted(int(layer) for layer in plain) == [0, 1, 2, 3]
-    assert all("its attention was not recognised" in why for why in plain.values())
-    assert any("4 of 4 layers keep transformers' attention" in note for note in package.report.notes)
-    config = json.loads((package.path / "genai_config.json").read_text())
-    assert config["search"]["past_present_share_buffer"] is False  # plain layers: separate past and present
-    assert "GroupQueryAttention" not in " ".join(package.report.op_counts)
+    attention = next(r for r in package.report.fx_passes if r["name"] == "substitute_group_query_attention")
+    assert attention["changes"]["plain_layers"] == {} and attention["changes"]["attention_sink_layers"] == 4
+    experts = next(r for r in package.report.fx_passes if r["name"] == "substitute_mixture_of_experts")
+    assert experts["changes"]["substituted_layers"] == [0, 1, 2, 3] and experts["changes"]["plain_blocks"] == {}
+    graph = onnx.load(str(package.model_path), load_external_data=False).graph
+    attentions = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attentions) == 4 and all(len(n.input) == 12 and n.input[11] for n in attentions)  # head_sink
+    assert len({n.input[11] for n in attentions}) == 4  # each layer's own sinks
+    moe = [n for n in graph.node if n.op_type == "MoE"]
+    assert len(moe) == 4 and all(len(n.input) == 6 and n.input[3] and n.input[5] for n in moe)  # both biases
+    swiglu = {a.name: helper.get_attribute_value(a) for a in moe[0].attribute}
+    assert swiglu["activation_type"] == b"swiglu" and swiglu["swiglu_fusion"] == 1
+    assert swiglu["swiglu_limit"] == pytest.approx(checkpoint[1].config.swiglu_limit)
+    assert (swiglu["activation_alpha"], swiglu["activation_beta"]) == (pytest.approx(1.702), 1.0)
+    genai = json.loads((package.path / "genai_config.json").read_text())
+    assert genai["model"]["type"] == "gptoss"  # the name ONNX Runtime GenAI lists (its builder's)
+    assert genai["search"]["past_present_share_buffer"] is True  # every present written in place
+    assert not any("does not list model type" in note for note in package.report.notes)
 
 
 @pytest.mark.l3
@@ -105,14 +120,49 @@ def test_logits_and_presents_match_transformers(packages, checkpoint, source):
 def test_genai_greedy_matches_transformers(packages, checkpoint, source, prompts):
     """The 8-token sliding layers: the prompt and the 32 new tokens go past the window."""
     expected = transformers_greedy(checkpoint[1], prompts, no_early_end=True)
-    assert all(len(row) > 1 for row in expected)
+    assert all(len(set(row)) > 2 for row in expected)  # tokens that a wrong package would not repeat
     assert genai_greedy(packages[source].path, prompts, no_early_end=True) == expected
 
 
+@pytest.mark.l3
+def test_int4_experts_are_qmoe_with_their_biases_and_pass_check_against(checkpoint, tmp_path):
+    """int4: the experts quantized into QMoE (their biases kept in float), and ``check --against``'s
+    distribution check (KL, top-1, perplexity on prose against transformers fp32) passes."""
+    from exporter.verify.check import check_package
+
+    folder = checkpoint[0]
+    package = export(str(folder), precision="int4", output_dir=tmp_path / "int4", cache=False)
+    graph = onnx.load(str(package.model_path), load_external_data=False).graph
+    qmoe = [n for n in graph.node if n.op_type == "QMoE"]
+    assert len(qmoe) == 4 and not any(n.op_type == "MoE" for n in graph.node)
+    assert all(n.input[4] and n.input[7] for n in qmoe)  # fc1 and fc2 biases
+    findings = {f.check: f for f in check_package(package.path, get_profile("cpu"), against=str(folder))}
+    assert findings["source_distribution"].passed, findings["source_distribution"].detail
+
+
 @pytest.mark.l1
-def test_a_captured_export_is_refused_in_one_line(checkpoint, tmp_path):
-    """Plain layers keep separate past and present buffers, which GenAI cannot capture."""
-    with pytest.raises(ExporterError, match=r"captures the decoder's graph, which needs GroupQueryAttention in every "
-                                            r"layer, and 4 cannot have it .*--no-graph-capture"):
+def test_a_captured_webgpu_export_is_refused_in_one_line(checkpoint, tmp_path):
+    """webgpu runs no MoE op here: the traced experts read shapes on the CPU, which graph capture
+    cannot have. The refusal names the way out."""
+    with pytest.raises(ExporterError, match=r"captures the decoder's graph, but \d+ nodes would run on the CPU .*"
+                                            r"--no-graph-capture"):
         export(str(checkpoint[0]), ep="webgpu", output_dir=tmp_path / "out", cache=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.l5
+def test_webgpu_fp16_matches_transformers_on_the_ep(checkpoint, tmp_path):
+    """fp16 on ONNX Runtime's WebGPU EP (lavapipe), graph capture off: sinks through head_sink in
+    the full layers and through the window attention in the sliding ones; ``check --ep webgpu
+    --against`` compares the EP's logits and greedy tokens with transformers'."""
+    from exporter.verify.check import check_package
+
+    require_webgpu()
+    folder = checkpoint[0]
+    package = export(str(folder), ep="webgpu", precision="fp16", graph_capture=False, output_dir=tmp_path / "webgpu",
+                     cache=False)
+    attention = next(r for r in package.report.fx_passes if r["name"] == "substitute_group_query_attention")
+    assert attention["changes"]["attention_sink_layers"] == 4 and attention["changes"]["window_mask_layers"] == 2
+    findings = {f.check: f for f in check_package(package.path, get_profile("webgpu"), against=str(folder))}
+    for name in ("ep_generation", "ep_source_logits", "ep_source_tokens"):
+        assert findings[name].passed and not findings[name].skipped, findings[name].detail

@@ -69,8 +69,16 @@ ROTATED_OUTSIDE_ATTENTION = {"tiny-cohere": 4, "tiny-phi": 4, "tiny-gpt-neox": 4
                              "tiny-llama4": 1}  # Llama 4: its one GroupQueryAttention layer is NoPE
 
 
-def _substituted(name, passes=PASSES, attention_rotary=True, profile=None):
+def _substituted(name, passes=PASSES, attention_rotary=True, profile=None, sinks=None):
+    """``sinks``: gpt-oss's sink logits set to draws of this size (init leaves them near 0, where a
+    dropped sink would not show)."""
     model, _ = build_preset(name)
+    if sinks is not None:
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for parameter_name, parameter in model.named_parameters():
+                if parameter_name.endswith("sinks"):
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * sinks)
     layout = derive_layout(model)
     program, _ = trace(model, layout)
     cases = _cases(layout)
@@ -160,7 +168,7 @@ def test_substitution_reads_each_model_from_its_graph():
     assert sorted(k for k in program.state_dict if k.startswith("rotary_")) == [
         "rotary_0.cos_cache", "rotary_0.sin_cache", "rotary_1.cos_cache", "rotary_1.sin_cache"]
     assert gemma4 == {"layers": 10, "kv_shared_layers": 4, "sliding_window_layers": 8, "soft_capped_layers": 0,
-                      "rotary_in_attention_layers": 10, "window_mask_layers": 0, "full_span_layers": 0,
+                      "attention_sink_layers": 0, "rotary_in_attention_layers": 10, "window_mask_layers": 0, "full_span_layers": 0,
                       "substituted_layers": list(range(10)),
                       "plain_layers": {}}
     layout, program, *_, gemma2 = _substituted("tiny-gemma2")
@@ -182,6 +190,45 @@ def test_substitution_works_with_prefill_truncation(profile):
             got = program.module()(*inputs)
             assert got[0].shape[1] == 1
             assert_same_results(inputs, got, want)
+
+
+@pytest.mark.l2
+@pytest.mark.parametrize("profile", ["cpu", "webgpu"])
+def test_attention_sinks_become_head_sink(profile):
+    """gpt-oss appends a learned logit per head to the scores, shifts by the row maximum, and drops
+    the sink's column after the softmax: every layer's attention takes the sinks as [heads]
+    (GroupQueryAttention's ``head_sink``; on webgpu, whose kernel drops windows, the sliding
+    layers' ``window_attention``), and computes what transformers' eager attention did."""
+    layout, program, cases, before, changes = _substituted("tiny-gpt-oss", profile=get_profile(profile), sinks=2.0)
+    assert changes["plain_layers"] == {} and changes["attention_sink_layers"] == layout.num_layers == 4
+    heads = build_preset("tiny-gpt-oss")[0].config.num_attention_heads
+    attending = [n for n in program.graph.nodes
+                 if n.target is WINDOWED or (n.target is GQA and any(u.args[1] == 0 and u.users for u in n.users))]
+    assert len(attending) == layout.num_layers
+    sinks = [n.args[13] if n.target is GQA else n.args[8] for n in attending]
+    assert all(tuple(sink.meta["val"].shape) == (heads,) for sink in sinks) and len(set(sinks)) == layout.num_layers
+    assert sum(n.target is WINDOWED for n in attending) == (changes["sliding_window_layers"] if profile == "webgpu" else 0)
+    assert not any(n.target is torch.ops.aten.softmax.int for n in program.graph.nodes
+                   if "self_attn" in str(n.meta.get("nn_module_stack", "")))
+    with torch.no_grad():
+        for inputs, want in zip(cases, before, strict=True):
+            assert_same_results(inputs, program.module()(*inputs), want)
+
+
+@pytest.mark.l2
+def test_a_kernel_that_drops_sinks_keeps_plain_attention():
+    """A profile whose GroupQueryAttention ignores ``head_sink``: the sink layers keep transformers'
+    attention, with the reason, and compute what they did."""
+    cpu = get_profile("cpu")
+    profile = dataclasses.replace(cpu, attention_kernel=dataclasses.replace(cpu.attention_kernel, head_sink=False))
+    layout, program, cases, before, changes = _substituted("tiny-gpt-oss", profile=profile, sinks=2.0)
+    assert sorted(changes["plain_layers"]) == list(range(layout.num_layers))
+    assert all("drops its attention sinks" in why for why in changes["plain_layers"].values())
+    assert not any(n.target is GQA for n in program.graph.nodes)
+    holes = set(range(2 * layout.num_layers))
+    with torch.no_grad():
+        for inputs, want in zip(cases, before, strict=True):
+            assert_same_results(inputs, program.module()(*inputs), want, holes=holes)
 
 
 @pytest.mark.l1

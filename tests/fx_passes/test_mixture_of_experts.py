@@ -20,6 +20,11 @@ MOE = torch.ops.genai_exporter.mixture_of_experts.default
 
 def _substituted(name: str):
     model, _ = build_preset(name)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # biases and sinks far from their init zeros, so a dropped one shows
+        for parameter_name, parameter in model.named_parameters():
+            if parameter_name.endswith(("bias", "sinks")):
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
     layout = derive_layout(model)
     program, _ = trace(model, layout)
     generator = torch.Generator().manual_seed(0)
@@ -34,7 +39,7 @@ def _substituted(name: str):
 
 
 @pytest.mark.l2
-@pytest.mark.parametrize("name", sorted(FUSED_MIXTURE_OF_EXPERTS_FAMILIES))
+@pytest.mark.parametrize("name", [*sorted(FUSED_MIXTURE_OF_EXPERTS_FAMILIES), "tiny-gpt-oss"])
 def test_substitution_keeps_results(name):
     layout, program, cases, before, changes = _substituted(name)
     fused = [n for n in program.graph.nodes if n.target is MOE]
@@ -54,5 +59,21 @@ def test_gemma4_experts_stay_plain_and_say_why():
     GELU-gated: not what the MoE op computes, so the blocks stay as traced."""
     layout, program, cases, before, changes = _substituted("tiny-gemma-4-moe")
     assert changes["substituted_layers"] == [] and len(changes["plain_blocks"]) == layout.experts_modules == 4
-    assert all("SiLU-gated" in why for why in changes["plain_blocks"].values())
+    assert all("SwiGLU-gated" in why for why in changes["plain_blocks"].values())
     assert not any(n.target is MOE for n in program.graph.nodes)
+
+
+@pytest.mark.l2
+def test_gpt_oss_experts_carry_biases_and_the_clamped_swiglu():
+    """gpt-oss's experts: weights stored [experts, in, out] (transposed for the op), gate and up rows
+    interleaved, biases on both projections, ``gate * sigmoid(1.702 * gate) * (up + 1)`` with both
+    clamped to ``swiglu_limit``, routed by the softmax of the logits' top k (renormalised)."""
+    config = build_preset("tiny-gpt-oss")[0].config
+    _, program, *_ = _substituted("tiny-gpt-oss")
+    for node in (n for n in program.graph.nodes if n.target is MOE):
+        hidden, logits, gate_up, down, k, normalize, gate_up_bias, down_bias, interleaved, alpha, beta, limit = node.args
+        assert gate_up.target is torch.ops.aten.transpose.int and down.target is torch.ops.aten.transpose.int
+        assert gate_up_bias.name.endswith("gate_up_proj_bias") and down_bias.name.endswith("down_proj_bias")
+        assert (k, normalize, interleaved) == (config.num_experts_per_tok, True, True)
+        assert (alpha, beta, limit) == (pytest.approx(config.swiglu_alpha if hasattr(config, "swiglu_alpha") else 1.702),
+                                        1.0, config.swiglu_limit)
