@@ -97,6 +97,7 @@ def test_sinks_go_to_head_sink_and_experts_to_moe(packages, checkpoint, source):
     assert len({n.input[11] for n in attentions}) == 4  # each layer's own sinks
     moe = [n for n in graph.node if n.op_type == "MoE"]
     assert len(moe) == 4 and all(len(n.input) == 6 and n.input[3] and n.input[5] for n in moe)  # both biases
+    assert package.report.op_counts["com.microsoft.GroupQueryAttention"] == package.report.op_counts["com.microsoft.MoE"] == 4
     swiglu = {a.name: helper.get_attribute_value(a) for a in moe[0].attribute}
     assert swiglu["activation_type"] == b"swiglu" and swiglu["swiglu_fusion"] == 1
     assert swiglu["swiglu_limit"] == pytest.approx(checkpoint[1].config.swiglu_limit)
@@ -125,13 +126,15 @@ def test_genai_greedy_matches_transformers(packages, checkpoint, source, prompts
 
 
 @pytest.mark.l3
-def test_int4_experts_are_qmoe_with_their_biases_and_pass_check_against(checkpoint, tmp_path):
+@pytest.mark.parametrize("source", ["folder", "in memory"])
+def test_int4_experts_are_qmoe_with_their_biases_and_pass_check_against(checkpoint, source, tmp_path):
     """int4: the experts quantized into QMoE (their biases kept in float), and ``check --against``'s
     distribution check (KL, top-1, perplexity on prose against transformers fp32) passes."""
     from exporter.verify.check import check_package
 
-    folder = checkpoint[0]
-    package = export(str(folder), precision="int4", output_dir=tmp_path / "int4", cache=False)
+    folder, model, tokenizer = checkpoint
+    given = (str(folder),) if source == "folder" else (model, tokenizer)
+    package = export(*given, precision="int4", output_dir=tmp_path / "int4", cache=False)
     graph = onnx.load(str(package.model_path), load_external_data=False).graph
     qmoe = [n for n in graph.node if n.op_type == "QMoE"]
     assert len(qmoe) == 4 and not any(n.op_type == "MoE" for n in graph.node)
