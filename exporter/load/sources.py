@@ -24,6 +24,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from exporter.errors import ExporterError
+from exporter.load.gguf_files import gguf_file, load_gguf
 from exporter.load.multimodal import (
     MultimodalFacts,
     is_multimodal,
@@ -97,6 +98,8 @@ def load(source: Any, tokenizer: Any = None, options: LoadOptions = LoadOptions(
         return _multimodal_or_text(loaded, model.config, options, preset.processor_settings)
     path = Path(name).expanduser()
     if path.exists():
+        if (gguf := gguf_file(path)) is not None:
+            return _from_gguf(gguf, tokenizer, options)
         return _from_folder(path, tokenizer, options, f"folder {path}")
     if _looks_like_path(name):
         raise ExporterError(f"path '{name}' does not exist; check the path or run `python -m exporter list`")
@@ -174,7 +177,8 @@ def _download(repo_id: str, weights: bool = True) -> Path:
 
 def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) -> LoadedModel:
     if not path.is_dir():
-        raise ExporterError(f"'{path}' is not a folder; pass a Hugging Face model folder (config.json + weights)")
+        raise ExporterError(f"'{path}' is not a folder or a .gguf file; pass a Hugging Face model folder "
+                            "(config.json + weights) or a GGUF file")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ExporterError(f"'{path}' has no config.json; pass a Hugging Face model folder")
@@ -222,6 +226,16 @@ def _from_folder(path: Path, tokenizer: Any, options: LoadOptions, source: str) 
         raise ExporterError(f"cannot load the model from '{path}': {str(error).splitlines()[0]}") from error
     loaded = LoadedModel(model.eval(), tokenizer or _folder_tokenizer(path, options), source)
     return _multimodal_or_text(loaded, config, options, {})
+
+
+def _from_gguf(path: Path, tokenizer: Any, options: LoadOptions) -> LoadedModel:
+    """A GGUF file, loaded whole by transformers (``exporter.load.gguf_files``)."""
+    if options.random_weights:
+        raise ExporterError(f"--random-weights takes a config; '{path}' is a GGUF file: pass its weights or a preset")
+    model, file_tokenizer, note = load_gguf(path, options.trust_remote_code)
+    _require_causal_lm(type(model).__name__, model.config)
+    loaded = LoadedModel(model, tokenizer or file_tokenizer, f"GGUF file {path}", notes=[note])
+    return _multimodal_or_text(loaded, model.config, options, {})
 
 
 def _folder_tokenizer(path: Path, options: LoadOptions):

