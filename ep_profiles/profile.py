@@ -100,7 +100,7 @@ class EpProfile:
         it (nothing transposed when the package is written), and a tied LM head reads the
         embedding table itself, kept once instead of twice; int4 packages keep MatMuls for their
         quantizer. False stores transposed copies.
-    mixture_of_experts_precisions: the precisions at which routed-experts blocks with SiLU-gated
+    mixture_of_experts_precisions: the precisions at which routed-experts blocks with SwiGLU-gated
         experts become ONNX Runtime's ``com.microsoft.MoE``; empty: never (they stay MatMuls over
         weights gathered per routed token).
     int4_activations: the precision an int4 package (4-bit weights) computes in: "fp16" on GPUs,

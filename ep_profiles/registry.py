@@ -65,8 +65,8 @@ CPU = EpProfile(
     # Verified here; CUDA and DML list the kernel too but were not run. WebGPU (plugin 0.4.0) places
     # FusedMatMul on the CPU.
     transposed_matmul=True,
-    # ONNX Runtime 1.32's CPU MoE, measured here: SiLU-gated experts as interleaved fc1 rows match
-    # transformers at fp32; at int4 its QMoE takes the experts in 4-bit blocks. Other EPs' kernels
+    # ONNX Runtime 1.32's CPU MoE, measured here: SwiGLU-gated experts (SiLU, and gpt-oss's clamped
+    # form with biases) as interleaved fc1 rows match transformers at fp32; at int4 its QMoE takes the experts in 4-bit blocks. Other EPs' kernels
     # were not run, so their experts stay MatMuls.
     # int8 keeps the experts float in MoE (QMoE is taken at 4 bits only), counted in the report.
     mixture_of_experts_precisions=("fp32", "int4", "int8"),

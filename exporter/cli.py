@@ -145,20 +145,36 @@ def _check(argv: list[str]) -> int:
         description="Check a package against an EP profile; exits 1 if any check fails.",
     )
     parser.add_argument("package", type=Path, help="package folder (with genai_config.json)")
-    parser.add_argument("--ep", default="cpu", metavar="EP", help="EP profile to check against (default: cpu)")
+    parser.add_argument("--ep", metavar="EP", help="EP profile to check against (default: the EP the package's "
+                                                   "genai_config.json names, else cpu)")
     parser.add_argument("--against", metavar="SOURCE",
                         help="also compare the package's logits and greedy tokens with transformers running "
-                             "SOURCE (the preset, folder, hub id or alias it was exported from)")
+                             "SOURCE (the preset, folder, GGUF file, hub id or alias it was exported from)")
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     args = parser.parse_args(argv)
     try:
-        profile = get_profile(args.ep)
+        profile = get_profile(args.ep or _named_ep(args.package))
     except UnknownProfileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     findings = check_package(args.package, profile, against=args.against)
     print(findings_to_json(findings) if args.json else format_findings(findings))
     return 0 if all(f.passed for f in findings) else 1
+
+
+def _named_ep(package: Path) -> str:
+    """The profile whose provider the package's genai_config.json names (cpu where it names none,
+    or cannot be read: the checks then say what is wrong with it)."""
+    import json
+
+    from ep_profiles import PROFILES
+
+    try:
+        options = json.loads((package / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+        named = {name for entry in options.get("provider_options", []) for name in entry}
+    except Exception:
+        return "cpu"
+    return next((p.name for p in PROFILES.values() if p.genai_provider and p.genai_provider in named), "cpu")
 
 
 def _plan(argv: list[str]) -> int:

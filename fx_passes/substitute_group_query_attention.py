@@ -65,7 +65,8 @@ class SubstituteGroupQueryAttention:
             # cache is written and read in one layout), and the report says why.
             plain = {layer: f"its attention was not recognised ({unrecognised})" for layer in range(layout.num_layers)}
             return program, {"layers": layout.num_layers, "kv_shared_layers": 0, "sliding_window_layers": 0,
-                             "soft_capped_layers": 0, "rotary_in_attention_layers": 0, "window_mask_layers": 0,
+                             "soft_capped_layers": 0, "attention_sink_layers": 0, "rotary_in_attention_layers": 0,
+                             "window_mask_layers": 0,
                              "full_span_layers": 0, "substituted_layers": [], "plain_layers": plain}
         windows = _windows(program, cores, layout)
         graph = program.graph

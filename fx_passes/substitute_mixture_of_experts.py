@@ -61,7 +61,7 @@ class SubstituteMixtureOfExperts:
             return None
         if settings.precision not in settings.profile.mixture_of_experts_precisions:
             return None
-        return f"{settings.profile.name} runs ONNX Runtime's MoE for SiLU-gated experts at {settings.precision}"
+        return f"{settings.profile.name} runs ONNX Runtime's MoE for SwiGLU-gated experts at {settings.precision}"
 
     def unplanned_note(self, settings, session) -> str | None:
         """What the report says where a decoder has experts and the pass is not planned."""
@@ -186,17 +186,26 @@ def _top_values(top_k: Node) -> list[Node]:
             for user in item.users]
 
 
-def _gating(block: _Block) -> tuple[bool, float, float, float | None]:
+def _gating(block: _Block) -> tuple[bool, float, float, float | None] | None:
     """(gate and up rows interleaved, alpha, beta, limit) as the block's nodes write them: rows
     taken by step-2 slices; the constant the gate is scaled by inside its sigmoid; the one added to
-    the up half; the clamps' bound. Defaults where absent (SiLU gating); the probe checks them."""
+    the clamped up half; the clamps' bound. Defaults where absent (SiLU gating). A clamp of another
+    form than the op's (the gate from above, the up half both ways, one bound) gives None: the op
+    could not compute it. The probe checks the rest."""
     interleaved = any(n.target is _aten.slice.Tensor and len(n.args) > 4 and n.args[4] == 2 for n in block.nodes)
     alpha = next((float(n.args[1]) for n in block.nodes if n.target is _aten.mul.Tensor
                   and isinstance(n.args[1], (int, float)) and any(u.target is _aten.sigmoid.default for u in n.users)),
                  1.0)
-    clamps = [n for n in block.nodes if n.target is _aten.clamp.default]
-    limit = max((float(n.args[2]) for n in clamps if len(n.args) > 2 and isinstance(n.args[2], (int, float))),
-                default=None)
+    clamps = [n for n in block.nodes if n.target is _aten.clamp.default and n.meta["val"].dtype.is_floating_point]
+    limit = None
+    if clamps:
+        bounds = [(tuple(n.args[1:3]) + (None, None))[:2] for n in clamps]
+        from_above = [high for low, high in bounds if low is None]
+        if len(clamps) != 2 or len(from_above) != 1 or not isinstance(from_above[0], (int, float)):
+            return None
+        limit = float(from_above[0])
+        if [b for b in bounds if b[0] is not None] != [(-limit, limit)]:
+            return None
     beta = next((float(n.args[1]) for n in block.nodes if n.target in (_aten.add.Tensor,)
                  and isinstance(n.args[1], (int, float)) and n.args[0] in clamps), 0.0)
     return interleaved, alpha, beta, limit
@@ -206,28 +215,44 @@ def _matching_form(program: ExportedProgram, block: _Block, hidden: Node, logits
                    k: int) -> tuple[bool, bool, tuple[bool, float, float, float | None]] | None:
     """(weights transposed, routing weights renormalised, the gating ``_gating`` read) with which
     the reference kernel matches the block, or None, on random weights and inputs of the traced
-    shapes (biases and weights of order 1, so a clamp of order 1 takes effect)."""
+    shapes: inputs of order 1, and again scaled past the clamps' bound (so a clamp placed otherwise
+    than the op's shows)."""
     generator = torch.Generator().manual_seed(0)
     probe = probe_inputs(program, length=_PROBE_TOKENS)
     sizes = _symbol_sizes(program, probe)
     given = {hidden: _random(hidden, sizes, generator), logits: _random(logits, sizes, generator)}
     weights = {node: _random(node, sizes, generator) * 0.2 for node in (block.gate_up, block.down)}
     biases = {node: _random(node, sizes, generator) for node in (block.gate_up_bias, block.down_bias) if node is not None}
+    gating = _gating(block)
+    if gating is None:
+        return None
+    # Twice: inputs of order 1, and scaled so the projections pass any clamp's bound by far.
+    scales = (1.0, 4.0 * gating[3]) if gating[3] else (1.0,)
+    wants = []
     try:
-        want = _evaluate(block.outputs[0], {**given, **weights, **biases}, program, probe, sizes, generator)
+        for scale in scales:
+            scaled = {**given, hidden: given[hidden] * scale}
+            wants.append(_evaluate(block.outputs[0], {**scaled, **weights, **biases}, program, probe, sizes,
+                                   generator))
     except _NotEvaluable:
         return None
-    gating = _gating(block)
     for transposed in (False, True):
         gate_up, down = (weights[w].transpose(1, 2) if transposed else weights[w] for w in (block.gate_up, block.down))
-        if gate_up.shape[2] != given[hidden].shape[1] or down.shape[1] != want.shape[-1]:
+        if gate_up.shape[2] != given[hidden].shape[1] or down.shape[1] != wants[0].shape[-1]:
             continue
         for normalize in (True, False):
-            got = ops.mixture_of_experts(given[hidden], given[logits], gate_up, down, k, normalize,
-                                         biases.get(block.gate_up_bias), biases.get(block.down_bias), *gating)
-            if got.shape == want.shape and torch.allclose(got, want, atol=_TOLERANCE, rtol=_TOLERANCE):
+            if all(_matches(ops.mixture_of_experts(given[hidden] * scale, given[logits], gate_up, down, k, normalize,
+                                                   biases.get(block.gate_up_bias), biases.get(block.down_bias),
+                                                   *gating), want)
+                   for scale, want in zip(scales, wants, strict=True)):
                 return transposed, normalize, gating
     return None
+
+
+def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
+    scale = max(1.0, float(want.abs().max()))  # the scaled probe's outputs are large: relative to them
+    return (got.shape == want.shape and bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())
+            and torch.allclose(got, want, atol=_TOLERANCE * scale, rtol=_TOLERANCE))
 
 
 class _NotEvaluable(Exception):

@@ -108,8 +108,8 @@ def _is_scores_matmul(node: Node) -> bool:
 def _next_in_chain(node: Node) -> tuple[Node, Node, list[Node]] | None:
     """The one node that reads ``node`` in a chain of scores, what it reads, and the nodes skipped
     on the way: a shift by the row maximum, ``x - max(x, -1, keepdim).values`` (what a softmax
-    computes anyway: gpt-oss writes it out), is looked through. None where ``node`` has other
-    readers."""
+    computes anyway: gpt-oss writes it out) is looked through where the softmax reads it. None where
+    ``node`` has other readers."""
     if len(node.users) == 1:
         return next(iter(node.users)), node, []
     if len(node.users) != 2:
@@ -123,7 +123,10 @@ def _next_in_chain(node: Node) -> tuple[Node, Node, list[Node]] | None:
     if (len(values) != 1 or any(u.users for u in indices) or len(maximum.users) != len(values) + len(indices)
             or tuple(shift.args) != (node, values[0]) or len(values[0].users) != 1 or len(shift.users) != 1):
         return None
-    return next(iter(shift.users)), shift, [maximum, *values, *indices, shift]
+    reader = next(iter(shift.users))
+    if reader.target not in (_aten.softmax.int, _aten._softmax.default):
+        return None  # a shift a later step sees (a sink column, a soft-cap) changes the result
+    return reader, shift, [maximum, *values, *indices, shift]
 
 
 def _scalar(node: Node) -> float | None:
@@ -231,6 +234,9 @@ def _sink_logits(concat: Node, scores: Node) -> Node:
         source = source.args[0]
     if _elements(source) != heads:
         raise PassDidNotApply(f"{concat.name}: the appended score column is not one logit per head")
+    if source.meta["val"].dtype != scores.meta["val"].dtype:  # GroupQueryAttention takes head_sink in T
+        raise PassDidNotApply(f"{concat.name}: sink logits in {source.meta['val'].dtype}, scores in "
+                              f"{scores.meta['val'].dtype}")
     return source
 
 

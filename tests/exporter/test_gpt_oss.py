@@ -138,6 +138,8 @@ def test_int4_experts_are_qmoe_with_their_biases_and_pass_check_against(checkpoi
     graph = onnx.load(str(package.model_path), load_external_data=False).graph
     qmoe = [n for n in graph.node if n.op_type == "QMoE"]
     assert len(qmoe) == 4 and not any(n.op_type == "MoE" for n in graph.node)
+    assert package.report.op_counts["com.microsoft.QMoE"] == package.report.op_counts[
+        "com.microsoft.GroupQueryAttention"] == 4
     assert all(n.input[4] and n.input[7] for n in qmoe)  # fc1 and fc2 biases
     findings = {f.check: f for f in check_package(package.path, get_profile("cpu"), against=str(folder))}
     assert findings["source_distribution"].passed, findings["source_distribution"].detail

@@ -13,6 +13,7 @@ from exporter.load.layout import derive_layout
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
 from fx_passes import FX_PASSES, run_fx_passes
+from fx_passes.analyses.attention_cores import find_attention_cores
 from fx_passes.analyses.graph_facts import PassDidNotApply
 from fx_passes.analyses.mask_probe import causal_window, decode_step_agrees
 from tests.helpers.families import FAMILIES, MIXTURE_OF_EXPERTS_FAMILIES, PLAIN_ATTENTION_LAYERS
@@ -229,6 +230,49 @@ def test_a_kernel_that_drops_sinks_keeps_plain_attention():
     with torch.no_grad():
         for inputs, want in zip(cases, before, strict=True):
             assert_same_results(inputs, program.module()(*inputs), want, holes=holes)
+
+
+class _SinkAttention(torch.nn.Module):
+    """Eager attention with a sink column, the row-max shift placed where ``shift_at`` says."""
+
+    def __init__(self, shift_at: str, sinks_dtype=torch.float32):
+        super().__init__()
+        self.shift_at = shift_at
+        self.sinks = torch.nn.Parameter(torch.randn(4).to(sinks_dtype))
+
+    def forward(self, query, key, value, mask):
+        scores = torch.matmul(query, key.transpose(2, 3)) * 0.25 + mask
+        if self.shift_at == "before the sink":
+            scores = scores - scores.max(dim=-1, keepdim=True).values
+        sinks = self.sinks
+        combined = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+        if self.shift_at == "before the softmax":
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = torch.softmax(combined, dim=-1)[..., :-1]
+        return torch.matmul(weights if weights.dtype == value.dtype else weights.to(value.dtype), value)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("shift_at", "cores"), [("before the softmax", 1), ("before the sink", 0), ("none", 1)])
+def test_a_sink_core_is_read_only_where_its_shift_changes_nothing(shift_at, cores):
+    """The shift by the row maximum is what a softmax does anyway only where the softmax reads it;
+    before the sink column is appended it changes the result, and the chain is not a core."""
+    inputs = (torch.randn(1, 4, 3, 8), torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8), torch.zeros(1, 1, 3, 5))
+    program = torch.export.export(_SinkAttention(shift_at), inputs)
+    found = find_attention_cores(program)
+    assert len(found) == cores
+    assert all(core.sink is not None and tuple(core.sink.meta["val"].shape) == (1, 4, 1, 1) for core in found)
+
+
+@pytest.mark.unit
+def test_sinks_in_another_dtype_than_the_scores_are_refused():
+    """GroupQueryAttention takes head_sink in the query's type: fp32 sinks beside fp16 scores (the
+    cat promotes, as eager attention would) are not taken, so the model's layers stay plain."""
+    inputs = tuple(t.half() for t in (torch.randn(1, 4, 3, 8), torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8),
+                                      torch.zeros(1, 1, 3, 5)))
+    program = torch.export.export(_SinkAttention("none", torch.float32), inputs)
+    with pytest.raises(PassDidNotApply, match="sink logits in torch.float32, scores in torch.float16"):
+        find_attention_cores(program)
 
 
 @pytest.mark.l1

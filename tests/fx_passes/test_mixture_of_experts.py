@@ -18,8 +18,13 @@ from tests.helpers.plan_settings import DECODER, pass_settings
 MOE = torch.ops.genai_exporter.mixture_of_experts.default
 
 
-def _substituted(name: str):
+def _substituted(name: str, **config):
     model, _ = build_preset(name)
+    for key, value in config.items():  # read by the modules at run time (gpt-oss's experts' limit)
+        setattr(model.config, key, value)
+        for module in model.modules():
+            if hasattr(module, key.removeprefix("swiglu_")):
+                setattr(module, key.removeprefix("swiglu_"), value)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # biases and sinks far from their init zeros, so a dropped one shows
         for parameter_name, parameter in model.named_parameters():
@@ -77,3 +82,23 @@ def test_gpt_oss_experts_carry_biases_and_the_clamped_swiglu():
         assert (k, normalize, interleaved) == (config.num_experts_per_tok, True, True)
         assert (alpha, beta, limit) == (pytest.approx(config.swiglu_alpha if hasattr(config, "swiglu_alpha") else 1.702),
                                         1.0, config.swiglu_limit)
+
+
+@pytest.mark.l2
+def test_a_clamp_the_op_cannot_compute_keeps_the_block_traced(monkeypatch):
+    """gpt-oss's gating with its real limit (7) but only the up half clamped: ONNX Runtime's MoE
+    clamps the gate too, so the blocks stay as traced (and compute what they did)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    def up_clamped_only(self, gate_up):
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        return (up.clamp(min=-self.limit, max=self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    monkeypatch.setattr(modeling_gpt_oss.GptOssExperts, "_apply_gate", up_clamped_only)
+    layout, program, cases, before, changes = _substituted("tiny-gpt-oss", swiglu_limit=7.0)
+    assert changes["substituted_layers"] == [] and len(changes["plain_blocks"]) == layout.experts_modules == 4
+    assert not any(n.target is MOE for n in program.graph.nodes)
+    with torch.no_grad():
+        for inputs, want in zip(cases, before, strict=True):
+            for got, expected in zip(program.module()(*inputs), want, strict=True):
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

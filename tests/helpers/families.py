@@ -32,7 +32,7 @@ PLAIN_RMS_NORM_FAMILIES = set(FAMILIES) - LAYER_NORM_FAMILIES - {
     "tiny-gemma-4-moe", "tiny-gemma-3n", "tiny-cohere"}
 
 # Families with routed-experts blocks: ONNX Runtime's MoE where the CPU profile runs it (softmax
-# top-k routing, SiLU-gated experts), else MatMuls over weights gathered per routed token behind the
+# top-k routing, SwiGLU-gated experts), else MatMuls over weights gathered per routed token behind the
 # router's Softmax (Gemma 4: per-expert scales and GELU-gated experts).
 MIXTURE_OF_EXPERTS_FAMILIES = {"tiny-qwen3-moe", "tiny-mixtral", "tiny-gemma-4-moe"}
 FUSED_MIXTURE_OF_EXPERTS_FAMILIES = {"tiny-qwen3-moe", "tiny-mixtral"}

@@ -155,3 +155,16 @@ def test_check_against_prompts_run_past_every_window(preset_exports):
     assert len(prompt_ids(tokenizer, 2048, 16, (8,))[-1]) == LONG_PROMPT_MIN
     assert len(prompt_ids(tokenizer, 2048, 16, (200,))[-1]) == 200 + PAST_THE_WINDOW
     assert len(prompt_ids(tokenizer, 100, 16, (200,))[-1]) == 84  # no further than the context leaves room
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("providers", "profile"), [([{"webgpu": {}}], "webgpu"), ([], "cpu"), (None, "cpu")])
+def test_check_takes_the_ep_the_package_names_by_default(tmp_path, providers, profile):
+    """``check PACKAGE`` without ``--ep`` checks against the profile whose provider the package's
+    genai_config.json names (cpu where it names none or cannot be read)."""
+    from exporter.cli import _named_ep
+
+    if providers is not None:
+        options = {"provider_options": providers}
+        (tmp_path / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"session_options": options}}}))
+    assert _named_ep(tmp_path) == profile
