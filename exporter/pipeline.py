@@ -121,8 +121,8 @@ def export(
 ) -> ExportedPackage:
     """Export a decoder LM to an ONNX Runtime GenAI package in ``output_dir``.
 
-    ``model`` is a preset name, a local Hugging Face folder, a hub id or alias, or an in-memory
-    ``PreTrainedModel`` (then ``tokenizer`` is required). ``ep`` is a profile name or an
+    ``model`` is a preset name, a local Hugging Face folder, a GGUF file, a hub id or alias, or an
+    in-memory ``PreTrainedModel`` (then ``tokenizer`` is required). ``ep`` is a profile name or an
     ``EpProfile`` of your own (e.g. ``dataclasses.replace(get_profile("cpu"), max_buffer_size=...)``).
     ``graph_capture=False`` exports for a profile's EP with graph capture off (a profile that
     captures needs every node on the EP). By default the graph computes logits
