@@ -147,10 +147,10 @@ def export(
     ``GENAI_EXPORTER_NO_CACHE=1``), a folder, or False for none. Every file of a package but its
     report is byte-identical whether or not its graphs came from the cache.
     """
-    options = ExportOptions(ep=ep, precision=precision, graph_capture=graph_capture, full_logits=full_logits,
-                            int4=int4, int4_encoders=int4_encoders, max_length=max_length, text_only=text_only,
-                            strict=strict, random_weights=random_weights, trust_remote_code=trust_remote_code,
-                            allow_pickled_weights=allow_pickled_weights)
+    # Every option keyword, by ExportOptions' field names (tests/exporter/test_options.py keeps the
+    # signature and the record one list): a new option cannot be left out here.
+    given = locals()
+    options = ExportOptions(**{field.name: given[field.name] for field in dataclasses.fields(ExportOptions)})
     resolved = options.resolve()
     profile, precision, int4 = resolved.profile, resolved.precision, resolved.int4
     cache_folder = graph_cache.chosen_folder(cache)

@@ -102,7 +102,7 @@ def _folder_digests(folder: Path) -> dict[str, str]:
         if not path.is_file():
             continue
         if path.suffix == ".safetensors":  # hidden ones too: the loader's glob opens them
-            digests[relative.as_posix()] = _layout_digest(_safetensors_header(path)[1])
+            digests[relative.as_posix()] = _header_digest(_safetensors_header(path)[1])
         elif not (any(part.startswith(".") for part in relative.parts) or path.name in _NOT_READ_NAMES
                   or path.suffix in _NOT_READ_SUFFIXES):
             with open(path, "rb") as file:
@@ -110,10 +110,10 @@ def _folder_digests(folder: Path) -> dict[str, str]:
     return digests
 
 
-def _layout_digest(header: dict[str, Any]) -> str:
+def _header_digest(header: dict[str, Any]) -> str:
     """A safetensors header less its byte offsets: the names, dtypes and shapes."""
-    layout = {key: {k: v for k, v in entry.items() if k != "data_offsets"} for key, entry in header.items()}
-    return "header " + _sha256(json.dumps(layout, sort_keys=True).encode())
+    entries = {key: {k: v for k, v in entry.items() if k != "data_offsets"} for key, entry in header.items()}
+    return "header " + _sha256(json.dumps(entries, sort_keys=True).encode())
 
 
 def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -158,7 +158,7 @@ def replay(root: Path, ingredients: dict[str, Any], folder: Path, output_dir: Pa
             except Exception:  # unreadable or not safetensors: the export says what is wrong
                 return None
             keyed = ingredients["folder"]
-            if any(keyed.get(name) != _layout_digest(header) for name, (_, (_, header)) in checkpoint.items()):
+            if any(keyed.get(name) != _header_digest(header) for name, (_, (_, header)) in checkpoint.items()):
                 return None  # the folder changed since its fingerprint
             if not _fits(record, checkpoint):
                 return None

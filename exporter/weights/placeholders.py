@@ -36,17 +36,17 @@ def detach(model: ir.Model, shapes: dict[str, tuple[int, ...]], names: dict[str,
 
 class WeightReader:
     """What an attached weight's ``LazyTensor`` calls to get its values: its recipe's tensor from
-    the source, in the initializer's own dtype, read anew at each call (a pass that reads a weight,
+    the store, in the initializer's own dtype, read anew at each call (a pass that reads a weight,
     a transpose or int4 blocks, maps or holds it only while it reads it). ``copied_from``: the
     checkpoint range the writer copies file to file, where there is one. ``reads`` counts the
     calls, so that the export knows whether anything but the writer read the values."""
 
-    def __init__(self, source: WeightStore, tensor_name: str, index: Index, name: str, dtype: ir.DataType,
+    def __init__(self, store: WeightStore, tensor_name: str, index: Index, name: str, dtype: ir.DataType,
                  shape: ir.Shape):
-        self.source, self.tensor_name, self.index, self.name = source, tensor_name, index, name
+        self.store, self.tensor_name, self.index, self.name = store, tensor_name, index, name
         self.dtype, self.shape = dtype, shape
-        self.copied_from = source.verbatim_range(tensor_name, index, dtype)
-        self.stored = source.stored_tensor(tensor_name)
+        self.copied_from = store.verbatim_range(tensor_name, index, dtype)
+        self.stored = store.stored_tensor(tensor_name)
         self.reads = 0
 
     def __call__(self) -> ir.TensorProtocol:
@@ -57,12 +57,12 @@ class WeightReader:
             # Hugging Face cache's blobs.
             return ir.ExternalTensor(str(stored.path), stored.offset, stored.length, self.dtype, shape=self.shape,
                                      name=self.name)
-        return _to_ir(self.source.tensor(self.tensor_name, self.index, to_torch_dtype(self.dtype)), self.name)
+        return _to_ir(self.store.tensor(self.tensor_name, self.index, to_torch_dtype(self.dtype)), self.name)
 
 
-def attach(model: ir.Model, source: WeightStore, recipes: Recipes) -> list[WeightReader]:
+def attach(model: ir.Model, store: WeightStore, recipes: Recipes) -> list[WeightReader]:
     """Give every placeholder initializer a lazy tensor that reads its recipe's tensor from
-    ``source`` when the package is written, in the initializer's own dtype (a parameter's is the
+    ``store`` when the package is written, in the initializer's own dtype (a parameter's is the
     export's compute dtype; an integer buffer stays integer). Returns the readers, one per
     initializer (``reader.tensor_name``: the saved tensor it reads)."""
     readers = []
@@ -71,7 +71,7 @@ def attach(model: ir.Model, source: WeightStore, recipes: Recipes) -> list[Weigh
         placeholder = value.const_value
         if not (isinstance(placeholder, ir.ExternalTensor) and str(placeholder.location) == WEIGHT_PLACEHOLDER):
             raise RuntimeError(f"initializer {name} is not a weight placeholder")
-        reader = WeightReader(source, tensor_name, index, name, placeholder.dtype, placeholder.shape)
+        reader = WeightReader(store, tensor_name, index, name, placeholder.dtype, placeholder.shape)
         value.const_value = ir.LazyTensor(reader, dtype=reader.dtype, shape=reader.shape, name=name)
         readers.append(reader)
     return readers

@@ -1,4 +1,4 @@
-"""A safetensors file's layout, read without torch (the replay path imports no torch): an 8-byte
+"""A safetensors file's header, read without torch (the replay path imports no torch): an 8-byte
 little-endian header size, then a JSON header giving each tensor's dtype, shape and byte range in
 the data that follows."""
 

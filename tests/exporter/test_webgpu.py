@@ -82,7 +82,7 @@ def test_graph_capture_export_fails_when_cpu_nodes_remain(preset_exports, tmp_pa
     """Without the constant-Reshape rewrite the graph keeps shape arithmetic: the export must say
     so, name the nodes, and leave nothing behind."""
     exported = preset_exports.get("tiny-gemma-4")
-    monkeypatch.setattr(ONNX_PASSES["static_reshape_targets"], "applies", lambda facts, session: None)
+    monkeypatch.setattr(ONNX_PASSES["static_reshape_targets"], "applies", lambda settings, session: None)
     with pytest.raises(ExporterError, match=r"captures the decoder's graph, but \d+ nodes would run on the CPU "
                                             r"\(Shape .*--no-graph-capture"):
         export(exported.model, exported.tokenizer, ep="webgpu", output_dir=tmp_path / "out")

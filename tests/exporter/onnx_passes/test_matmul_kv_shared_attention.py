@@ -201,15 +201,15 @@ def test_a_kv_shared_call_whose_present_is_read_fails():
 
 @pytest.mark.l1
 def test_only_kv_shared_decoders_with_truncated_prefill_on_profiles_that_say_so():
-    def facts(ep: str, shared: tuple[int, ...] = (4, 5), attention_op: bool = True, full_logits: bool = False):
+    def settings_for(ep: str, shared: tuple[int, ...] = (4, 5), attention_op: bool = True, full_logits: bool = False):
         return SimpleNamespace(profile=get_profile(ep), attention_op=attention_op, full_logits=full_logits,
                                layout=SimpleNamespace(shared_layer_indices=shared))
 
     decoder, embedding = SimpleNamespace(is_decoder=True), SimpleNamespace(is_decoder=False)
     attention = MatmulKvSharedAttention()
-    assert attention.applies(facts("cpu"), decoder)
-    assert attention.applies(facts("cuda"), decoder) is None  # its kernel was not measured
-    assert attention.applies(facts("cpu"), embedding) is None
-    assert attention.applies(facts("cpu", shared=()), decoder) is None
-    assert attention.applies(facts("cpu", attention_op=False), decoder) is None
-    assert attention.applies(facts("cpu", full_logits=True), decoder) is None
+    assert attention.applies(settings_for("cpu"), decoder)
+    assert attention.applies(settings_for("cuda"), decoder) is None  # its kernel was not measured
+    assert attention.applies(settings_for("cpu"), embedding) is None
+    assert attention.applies(settings_for("cpu", shared=()), decoder) is None
+    assert attention.applies(settings_for("cpu", attention_op=False), decoder) is None
+    assert attention.applies(settings_for("cpu", full_logits=True), decoder) is None

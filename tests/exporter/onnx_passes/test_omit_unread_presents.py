@@ -178,13 +178,13 @@ def test_a_kv_shared_call_whose_present_is_read_fails():
 
 @pytest.mark.l1
 def test_only_kv_shared_decoders_on_profiles_that_say_so_omit_presents():
-    def facts(ep: str, shared_layers: int = 4, attention_op: bool = True):
+    def settings_for(ep: str, shared_layers: int = 4, attention_op: bool = True):
         return SimpleNamespace(profile=get_profile(ep), attention_op=attention_op,
                                layout=SimpleNamespace(num_kv_shared_layers=shared_layers))
 
     decoder, embedding = SimpleNamespace(is_decoder=True), SimpleNamespace(is_decoder=False)
-    assert OmitUnreadPresents().applies(facts("cpu"), decoder)
-    assert OmitUnreadPresents().applies(facts("cuda"), decoder) is None  # its kernel was not run
-    assert OmitUnreadPresents().applies(facts("cpu"), embedding) is None
-    assert OmitUnreadPresents().applies(facts("cpu", shared_layers=0), decoder) is None
-    assert OmitUnreadPresents().applies(facts("cpu", attention_op=False), decoder) is None
+    assert OmitUnreadPresents().applies(settings_for("cpu"), decoder)
+    assert OmitUnreadPresents().applies(settings_for("cuda"), decoder) is None  # its kernel was not run
+    assert OmitUnreadPresents().applies(settings_for("cpu"), embedding) is None
+    assert OmitUnreadPresents().applies(settings_for("cpu", shared_layers=0), decoder) is None
+    assert OmitUnreadPresents().applies(settings_for("cpu", attention_op=False), decoder) is None
