@@ -90,9 +90,11 @@ class Precision:
 # lavapipe: fp32 <= 3e-6 on the tiny families once every layer's attention is exact, 7e-5 on the
 # real Gemma 3 270M). fp16 logits of a real model are ~30 wide: the real Gemma 3 270M's webgpu
 # fp16 package is 0.080 from transformers fp32 on the CPU EP, up to 0.741 on WebGPU (lavapipe),
-# and 0.402 from its own CPU run over a 528-token prompt, with the same tokens: WebGPU's fp16
-# MatMul sums in fp16, an error that grows with the logits, so fp16's bound is 3% of the step's
-# largest |logit| where that is more than 0.25 (0.9 there; 0.25 on the tiny models).
+# and 0.402 from its own CPU run over a 528-token prompt, with the same tokens (2026-12-06); the
+# same package bytes gave 0.418 on another host's lavapipe (2026-12-07, twice): WebGPU's fp16
+# MatMul sums in fp16, an error that grows with the logits and moves with the host's vector
+# width, so fp16's bound is 3.5% of the step's largest |logit| where that is more than 0.25 (0.47
+# there; 0.25 on the tiny models). A dropped softcap or window is 2.0 or more off.
 # source_*: fp32 differs from PyTorch by kernels and summation order (~1e-5 on the suite's
 # models); fp16 on a trained tiny Gemma 4 by 4.7e-3, on the real Gemma 3 270M by up to 0.26; bf16 keeps 3 fewer
 # mantissa bits than fp16; int4's weights themselves differ (trained tiny Gemma 4: 0.54 at logit
@@ -112,7 +114,7 @@ PRECISIONS: dict[str, Precision] = {
     for p in (
         Precision("fp32", "float32", 4, ep_near_tie=1e-3, ep_logits=1e-3, source_logits=1e-3, source_near_tie=1e-3),
         Precision("fp16", "float16", 2, ep_near_tie=0.25, ep_logits=0.25, source_logits=0.25, source_near_tie=0.25,
-                  relative_logits=0.03),
+                  relative_logits=0.035),
         Precision("bf16", "bfloat16", 2, ep_near_tie=0.5, ep_logits=1.0, source_logits=1.0, source_near_tie=0.5),
         Precision("int4", None, 0.5625, ep_near_tie=0.5, ep_logits=3.0, source_logits=3.0, source_near_tie=1.0,
                   weight_bits=4, distribution=DistributionBounds(mean_kl=1.0, top1=0.6, perplexity_ratio=2.0)),

@@ -329,7 +329,7 @@ def _against_reference(model, generations: list[Generation], tokenizer, toleranc
     return [
         (f"{prefix}source_logits", logit_failure is None,
          logit_failure or f"{checked}: max |logit difference| {worst:.3g} (tolerance {tolerance.source_logits}"
-                          f"{f' or {tolerance.relative_logits:.0%} of the largest |logit|' if tolerance.relative_logits else ''}"
+                          f"{f' or {tolerance.relative_logits:.1%} of the largest |logit|' if tolerance.relative_logits else ''}"
                           f" for {precision})"),
         (f"{prefix}source_tokens", token_failure is None,
          token_failure or f"{checked}: the package's greedy tokens are transformers'{tie_note}"),
