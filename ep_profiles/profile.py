@@ -111,6 +111,9 @@ class EpProfile:
         were measured exact, with and without zero points, at fp32 and fp16 activations
         (``scripts/probe_quantized_kernels.py``). ``int8`` packages and the 8-bit weights of an
         int4 package need 8; a profile whose EP was not run keeps 4, which every EP has shipped.
+    weight_float_zero_points: the EP's 4-bit ``MatMulNBits`` was measured exact with zero points of
+        the activation dtype (not packed integers), the form HQQ's fitted zero points take
+        (``--int4-method hqq``); False where it was not run, or placed the node elsewhere.
     """
 
     name: str
@@ -136,6 +139,7 @@ class EpProfile:
     int4_activations: str = "fp16"
     int4_accuracy_level: int = 0
     weight_bit_widths: tuple[int, ...] = (4,)
+    weight_float_zero_points: bool = False
 
     def __post_init__(self):
         if self.graph_capture and not self.graph_capture_option:

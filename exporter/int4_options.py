@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-INT4_METHODS = ("rtn", "k_quant")
+INT4_METHODS = ("rtn", "k_quant", "hqq")
 # Weights an int4 export may store at 8 bits instead (``eight_bit``), those whose rounding costs
 # most: "lm_head", the logits' MatMul (and the table it is tied to); "embeddings", every gathered
 # table (and a head tied to one); "sensitive_layers", the attention value and MLP down projections
@@ -30,7 +30,12 @@ class Int4Options:
     method: how each block's scale (and zero point) is chosen: "rtn", round to nearest over the
     block's range (ONNX Runtime's DefaultWeightOnlyQuantizer); "k_quant", llama.cpp's K-quant
     search, a scale and minimum fitted to the block by weighted least squares (ONNX Runtime's
-    ``quant_tensor_k_quant_cpu``), which always has zero points.
+    ``quant_tensor_k_quant_cpu``), which always has zero points; "hqq", Half-Quadratic
+    Quantization (ONNX Runtime's ``HQQWeightOnlyQuantizer``): the range's scale, and a float zero
+    point per block fitted by a proximal solver to the weights' l_0.7 error, so always with zero
+    points, of the activation dtype, which only some EPs' MatMulNBits run
+    (``EpProfile.weight_float_zero_points``). GatherBlockQuantized takes integer zero points
+    only, so under "hqq" the gathered tables (and a head tied to one) are round-to-nearest.
     eight_bit: the roles (``EIGHT_BIT_ROLES``) stored as 8-bit blocks, round-to-nearest with the
     same block size and symmetry (8 bits leave little for a better search to win). Layers' value
     and down projections are found by their checkpoint names (``layers.N. ... v_proj`` /
@@ -45,7 +50,7 @@ class Int4Options:
 
     @property
     def zero_points(self) -> bool:
-        return not self.symmetric or self.method == "k_quant"
+        return not self.symmetric or self.method in ("k_quant", "hqq")
 
     def __post_init__(self):
         if self.block_size < 16 or self.block_size & (self.block_size - 1):

@@ -149,4 +149,7 @@ def int4_options(profile: EpProfile, precision: str, given: Int4Options | None) 
     if options.eight_bit and 8 not in profile.weight_bit_widths:
         raise ExporterError(f"EP '{profile.name}' was not measured running 8-bit weights; store every weight in "
                             f"4 bits (--int4-8bit none)")
+    if options.method == "hqq" and not profile.weight_float_zero_points:
+        raise ExporterError(f"EP '{profile.name}' was not measured running MatMulNBits with float zero points, "
+                            f"which HQQ's blocks need; use --int4-method rtn or k_quant")
     return options

@@ -5,7 +5,8 @@ The text is tokenized by the source's tokenizer and cut into windows of ``--wind
 window is fed to a package through ONNX Runtime GenAI's decode path, one token at a time (teacher
 forcing: the package reads the text, not its own picks), and transformers reads the same window in
 one fp32 pass. Packages are this exporter's, exported here at the precisions ``--export`` names
-(``int4``, ``int4:method=k_quant``, ...), or any exporter's, by path (``--package``).
+(``int4``, ``int4:method=hqq``, ...), or any exporter's, by path (``--package``). Each row gives the
+package's bytes and, for those exported here, the export's seconds (no graph cache).
 
     python scripts/quality_benchmark.py FOLDER --text /usr/share/common-licenses/GPL-3 --export fp32 int4
     python scripts/quality_benchmark.py FOLDER --text FILE --package other/package --tokens 1024
@@ -23,6 +24,7 @@ import gc
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -145,10 +147,13 @@ def main(argv=None) -> int:
     text = args.text.read_text()
     with tempfile.TemporaryDirectory() as scratch:
         packages = {str(path): path for path in args.package}
+        export_seconds = {}
         for spec in args.export:
             print(f"exporting {spec} ...", file=sys.stderr, flush=True)
             folder = (args.keep or Path(scratch)) / spec.replace(":", "_").replace(",", "_").replace("=", "-")
+            start = time.perf_counter()
             packages[spec] = export_variant(args.source, spec, args.ep, folder)
+            export_seconds[spec] = time.perf_counter() - start
         if not packages:
             raise SystemExit("error: name --export settings or --package folders to measure")
         first = next(iter(packages.values()))
@@ -159,18 +164,20 @@ def main(argv=None) -> int:
         for name, path in packages.items():
             print(f"scoring {name} ...", file=sys.stderr, flush=True)
             vocab = json.loads((path / "genai_config.json").read_text())["model"]["vocab_size"]
-            rows.append((name, quality(reference, package_log_probs(path, windows, vocab), windows), package_bytes(path)))
+            rows.append((name, quality(reference, package_log_probs(path, windows, vocab), windows), package_bytes(path),
+                         export_seconds.get(name)))
             result = rows[-1][1]
             print(f"  {name}: perplexity {result['perplexity']:.3f}, top-1 {result['top1']:.1%}, "
                   f"KL {result['kl']:.4f}", file=sys.stderr, flush=True)
     base = rows[0][1]["reference_perplexity"]
     print(f"\n## Quality against transformers fp32, {args.source}, {rows[0][1]['positions']} positions of {args.text.name} "
           f"(windows of {args.window}); transformers fp32 perplexity {base:.3f}\n")
-    print("| package | MB | perplexity | vs fp32 | top-1 | mean KL |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, result, size in rows:
-        print(f"| {name} | {size / 1e6:.0f} | {result['perplexity']:.3f} | {result['perplexity'] / base:.3f}x | "
-              f"{100 * result['top1']:.1f}% | {result['kl']:.4f} |")
+    # Export time (no cache) tells what a slower quantizer costs; a package by path has none here.
+    print("| package | MB | export s | perplexity | vs fp32 | top-1 | mean KL |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, result, size, seconds in rows:
+        print(f"| {name} | {size / 1e6:.0f} | {'' if seconds is None else f'{seconds:.0f}'} | {result['perplexity']:.3f} | "
+              f"{result['perplexity'] / base:.3f}x | {100 * result['top1']:.1f}% | {result['kl']:.4f} |")
     return 0
 
 

@@ -43,10 +43,12 @@ def _import_quantizer():
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
-    return matmul_nbits_quantizer.DefaultWeightOnlyQuantConfig, matmul_nbits_quantizer.DefaultWeightOnlyQuantizer
+    return matmul_nbits_quantizer
 
 
-DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer = _import_quantizer()
+_ORT_QUANTIZER = _import_quantizer()
+DefaultWeightOnlyQuantConfig = _ORT_QUANTIZER.DefaultWeightOnlyQuantConfig
+DefaultWeightOnlyQuantizer = _ORT_QUANTIZER.DefaultWeightOnlyQuantizer
 
 MICROSOFT = "com.microsoft"
 
@@ -54,7 +56,8 @@ MICROSOFT = "com.microsoft"
 @dataclass(frozen=True)
 class BlockFormat:
     """How one weight is stored: ``bits`` per value, a scale per ``block_size`` values along K,
-    zero points unless ``symmetric`` (K-quant always has them)."""
+    zero points unless ``symmetric`` (K-quant and HQQ always have them; HQQ's are floats of the
+    scales' dtype, one per block, not packed integers)."""
 
     bits: int
     block_size: int
@@ -63,7 +66,11 @@ class BlockFormat:
 
     @property
     def zero_points(self) -> bool:
-        return not self.symmetric or self.method == "k_quant"
+        return not self.symmetric or self.method in ("k_quant", "hqq")
+
+    @property
+    def float_zero_points(self) -> bool:
+        return self.method == "hqq"
 
     def blob_width(self) -> int:
         """Bytes of one block."""
@@ -90,6 +97,8 @@ class _Blocks:
             if self.format.method == "k_quant":
                 blob, scales, zero_points = k_quant_blocks(values if self.transposed else values.T,
                                                            self.format.block_size)
+            elif self.format.method == "hqq":
+                blob, scales, zero_points = hqq_blocks(values if self.transposed else values.T, self.format.block_size)
             else:
                 k_by_n = np.ascontiguousarray(values.T if self.transposed else values)
                 config = DefaultWeightOnlyQuantConfig(
@@ -138,6 +147,39 @@ def k_quant_blocks(n_by_k: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarr
     return blob, scales, zero_points[:, 0::2] | (zero_points[:, 1::2] << 4)
 
 
+HQQ_ROWS = 4096  # output rows quantized at once: the solver holds ~5 float32 copies of them
+
+
+def hqq_blocks(n_by_k: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' parts of a weight [n, k] quantized by ONNX Runtime's Half-Quadratic
+    Quantization (``HQQWeightOnlyQuantizer.quantize_internal``: each block's scale from its range,
+    its zero point fitted by a proximal solver to the l_0.7 norm of the rounding error, so that
+    outliers cost less than under a least-squares fit): blob uint8 [n, blocks, block / 2] (low
+    nibble first), scales and float zero points [n, blocks] in the weight's dtype, so that each
+    weight is ``scale * (q - zero_point)``. Rows go HQQ_ROWS at a time (each block's fit is its
+    own; only the solver's early stop looks at the whole batch)."""
+    import torch
+
+    quantizer = _ORT_QUANTIZER.HQQWeightOnlyQuantizer(_ORT_QUANTIZER.HQQWeightOnlyQuantConfig(block_size=block, bits=4))
+    n, k = n_by_k.shape
+    blocks = -(-k // block)
+    blob = np.empty((n, blocks, block // 2), np.uint8)
+    scales = np.empty((n, blocks), n_by_k.dtype)
+    zero_points = np.empty((n, blocks), n_by_k.dtype)
+    for start in range(0, n, HQQ_ROWS):
+        rows = torch.from_numpy(np.array(n_by_k[start:start + HQQ_ROWS], dtype=np.float32))  # a writable copy
+        with torch.no_grad():
+            q, scale, zero = quantizer.quantize_internal(rows, bits=4, group_size=block)  # pads k to whole blocks
+        scale, zero = scale.numpy().reshape(len(rows), blocks), zero.numpy().reshape(len(rows), blocks)
+        if not (np.isfinite(scale).all() and np.isfinite(zero).all()):
+            raise ExporterError(f"HQQ gave a non-finite scale or zero point in rows {start}-{start + len(rows)} of a weight")
+        q = q.numpy().astype(np.uint8).reshape(len(rows), blocks, block)
+        blob[start:start + len(rows)] = q[..., 0::2] | (q[..., 1::2] << 4)
+        scales[start:start + len(rows)] = scale
+        zero_points[start:start + len(rows)] = zero
+    return blob, scales, zero_points
+
+
 class _ExpertBlocks:
     """One experts weight [experts, out, in] quantized expert by expert on first read (blob
     [experts, out, in/2], scales [experts, out, in/block]), dropped once both parts are read."""
@@ -169,7 +211,7 @@ class _ExpertBlocks:
 class _Quantized:
     blob: ir.Value  # uint8 [n, blocks, block * bits / 8]
     scales: ir.Value  # [n, blocks], the weight's dtype
-    zero_points: ir.Value | None  # uint8 [n, ceil(blocks * bits / 8)]
+    zero_points: ir.Value | None  # uint8 [n, ceil(blocks * bits / 8)], or HQQ's floats [n, blocks]
     n: int
     k: int
     format: BlockFormat
@@ -188,8 +230,11 @@ class QuantizeWeights:
         if bits == 8:
             return f"8-bit weights (rtn): block size {options.block_size}, symmetric, accuracy level {options.accuracy_level}"
         eight = f"; 8-bit {', '.join(options.eight_bit)}" if options.eight_bit else ""
+        # Measured here (docs/measurements.md): a real 270M model decodes 14x slower.
+        slow = ("; float zero points, which ONNX Runtime 1.32's CPU runs on its slow reference kernel"
+                if options.method == "hqq" else "")
         return (f"4-bit weights ({options.method}): block size {options.block_size}, "
-                f"{'asymmetric' if options.zero_points else 'symmetric'}, accuracy level {options.accuracy_level}{eight}")
+                f"{'asymmetric' if options.zero_points else 'symmetric'}, accuracy level {options.accuracy_level}{eight}{slow}")
 
     def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
         quantizer = _Quantizer(settings.int4, settings.weight_bits, settings.layout.num_layers, settings.profile.max_buffer_size)
@@ -202,6 +247,9 @@ class QuantizeWeights:
                 # experts, int8): their experts stay float.
                 "float_experts_blocks": quantizer.float_experts_blocks,
                 "tables_without_zero_points": quantizer.tables_without_zero_points,
+                # Under HQQ: tables (and a head tied to one) quantized round-to-nearest, with
+                # integer zero points, because GatherBlockQuantized takes no float ones.
+                **({"tables_round_to_nearest": quantizer.tables_round_to_nearest} if settings.int4.method == "hqq" else {}),
                 # Weights stored at 8 bits in an int4 export (Int4Options.eight_bit), by role, and
                 # those kept at 4 because their 8-bit blob would pass the profile's buffer limit.
                 **{f"eight_bit_{role}": count for role, count in quantizer.eight_bit.items()},
@@ -223,7 +271,7 @@ class _Quantizer:
         self.options, self.bits, self.layers, self.max_buffer_size = options, bits, layers, max_buffer_size
         self.over_buffer_limit = 0
         self.matmuls = self.gathers = self.shared_tables = self.experts_blocks = self.float_experts_blocks = 0
-        self.tables_without_zero_points = 0
+        self.tables_without_zero_points = self.tables_round_to_nearest = 0
         self.eight_bit: dict[str, int] = {role: 0 for role in options.eight_bit} if bits == 4 else {}
 
     def run(self, model: ir.Model) -> None:
@@ -331,6 +379,9 @@ class _Quantizer:
         if options.zero_points and id(source) in tables and -(-k // options.block_size) % 2:
             self.tables_without_zero_points += 1
             return BlockFormat(4, options.block_size, True)
+        if options.method == "hqq" and id(source) in tables:  # GatherBlockQuantized's zero points are integers
+            self.tables_round_to_nearest += 1
+            return BlockFormat(4, options.block_size, False)
         return BlockFormat(4, options.block_size, options.symmetric, options.method)
 
     def _eight_bit_role(self, source: ir.Value, tables: dict, lm_head: bool) -> str | None:
@@ -362,10 +413,12 @@ class _Quantizer:
 
         blob = initializer("blob", f"int{block_format.bits}", ir.DataType.UINT8, [n, blocks, block_format.blob_width()])
         scales = initializer("scales", "scales", dtype, [n, blocks])
-        zero_points = (
-            None if not block_format.zero_points
-            else initializer("zero_points", "zero_points", ir.DataType.UINT8, [n, block_format.zero_point_width(blocks)])
-        )
+        if not block_format.zero_points:
+            zero_points = None
+        elif block_format.float_zero_points:
+            zero_points = initializer("zero_points", "zero_points", dtype, [n, blocks])
+        else:
+            zero_points = initializer("zero_points", "zero_points", ir.DataType.UINT8, [n, block_format.zero_point_width(blocks)])
         return _Quantized(blob, scales, zero_points, n, k, block_format)
 
     def _replace_matmul(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:

@@ -102,6 +102,9 @@ def test_unsupported_ep_and_precision(tmp_path, capsys):
     code, message = _run_cli(["tiny-llama", "--ep", "cuda", "--precision", "int4", "--int4-8bit", "lm_head", "-o",
                               str(tmp_path / "i")], capsys)
     assert code == 2 and "EP 'cuda' was not measured running 8-bit weights" in message
+    code, message = _run_cli(["tiny-llama", "--ep", "webgpu", "--precision", "int4", "--int4-method", "hqq", "-o",
+                              str(tmp_path / "j")], capsys)
+    assert code == 2 and "EP 'webgpu' was not measured running MatMulNBits with float zero points" in message
     code, message = _run_cli(["tiny-llama", "--int4-block-size", "64", "-o", str(tmp_path / "e")], capsys)
     assert code == 2 and "--int4-block-size applies to --precision int4, not fp32" in message
     code, message = _run_cli(["tiny-llama", "--precision", "int4", "--int4-block-size", "24", "-o",

@@ -1,6 +1,7 @@
-"""The facts behind the profiles' ``weight_bit_widths``, re-measured: every block-quantized case
-(``scripts/probe_quantized_kernels.py``) is exact on each EP whose profile claims 8 bits, and the
-probe calls a kernel that decodes other values wrong."""
+"""The facts behind the profiles' ``weight_bit_widths`` and ``weight_float_zero_points``,
+re-measured: every block-quantized case (``scripts/probe_quantized_kernels.py``) is exact on each
+EP whose profile claims 8 bits, float zero points run exactly where claimed, and the probe calls a
+kernel that decodes other values wrong."""
 
 from __future__ import annotations
 
@@ -23,10 +24,18 @@ _SPEC.loader.exec_module(probe_quantized_kernels)
 
 
 def _assert_every_case_exact(ep: str):
+    """Every integer-zero-point case exact; the 4-bit float-zero-point cases exact exactly where the
+    profile claims them (``weight_float_zero_points``), so a plugin that starts or stops running
+    them fails here until the profile says so."""
     cases = probe_quantized_kernels.probe(ep)
-    assert {case.bits for case in cases} == {4, 8} and len(cases) == 24
-    assert all(case.result == "exact" for case in cases), [c for c in cases if c.result != "exact"]
+    integer = [case for case in cases if case.zero_points != "float"]
+    assert {case.bits for case in integer} == {4, 8} and len(integer) == 24
+    assert all(case.result == "exact" for case in integer), [c for c in integer if c.result != "exact"]
     assert 8 in get_profile(ep).weight_bit_widths and "int8" in get_profile(ep).precisions
+    float_four_bit = [case for case in cases if case.zero_points == "float" and case.bits == 4]
+    assert len(float_four_bit) == 4
+    claimed = get_profile(ep).weight_float_zero_points
+    assert all((case.result == "exact") == claimed for case in float_four_bit), (claimed, float_four_bit)
 
 
 @pytest.mark.l3
@@ -54,4 +63,5 @@ def test_a_kernel_reading_other_values_is_called_wrong(monkeypatch):
 
     monkeypatch.setattr(probe_quantized_kernels, "_blocks", flipped)
     cases = probe_quantized_kernels.probe("cpu")
-    assert {case.result for case in cases} == {"wrong"}
+    # The CPU refuses 8-bit blocks with float zero points before computing anything.
+    assert {case.result for case in cases if not (case.bits == 8 and case.zero_points == "float")} == {"wrong"}
