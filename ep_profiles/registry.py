@@ -48,9 +48,6 @@ _WEBGPU_ATTENTION = AttentionKernel(
 # over Mesa lavapipe, 2026-12-07 (scripts/probe_quantized_kernels.py). CUDA, DML and TensorRT-RTX
 # list 8-bit kernels too but were not run.
 _MEASURED_BIT_WIDTHS = (4, 8)
-# 4-bit MatMulNBits with float zero points (of the activation dtype): exact on the CPU EP (ONNX
-# Runtime 1.32 refuses them at 8 bits); onnxruntime-ep-webgpu 0.4.0 places such a node on the CPU,
-# 2026-12-07 (scripts/probe_quantized_kernels.py).
 
 CPU = EpProfile(
     name="cpu",
@@ -65,6 +62,9 @@ CPU = EpProfile(
     int4_activations="fp32",
     int4_accuracy_level=4,
     weight_bit_widths=_MEASURED_BIT_WIDTHS,
+    # 4-bit MatMulNBits with float zero points (of the activation dtype): exact, on a slow kernel
+    # (ONNX Runtime 1.32 refuses them at 8 bits); onnxruntime-ep-webgpu 0.4.0 places such a node on
+    # the CPU, so WEBGPU keeps False. 2026-12-07 (scripts/probe_quantized_kernels.py).
     weight_float_zero_points=True,
     # Verified here; CUDA and DML list the kernel too but were not run. WebGPU (plugin 0.4.0) places
     # FusedMatMul on the CPU.

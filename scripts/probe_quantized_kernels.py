@@ -148,9 +148,10 @@ def probe(ep: str) -> list[Case]:
 TIMED_K, TIMED_N = 2048, 8192  # a decode step's projection of a ~2B model
 
 
-def time_zero_point_forms(ep: str, runs: int = 20) -> list[tuple[int, str, float]]:
+def time_zero_point_forms(ep: str, runs: int = 20) -> list[tuple[int, str, float | None]]:
     """Milliseconds per one-row 4-bit MatMulNBits [TIMED_K x TIMED_N] at accuracy levels 0, 1
-    and 4, for each zero-point form (an exact kernel can still be a slow one), taking turns."""
+    and 4, for each zero-point form (an exact kernel can still be a slow one); None where ONNX
+    Runtime placed the node on another EP."""
     import time
 
     profile = get_profile(ep)
@@ -178,6 +179,9 @@ def time_zero_point_forms(ep: str, runs: int = 20) -> list[tuple[int, str, float
                 path = Path(folder) / f"timed-{level}-{zero_points}.onnx"
                 onnx.save(model, path)
                 session = inference_session(path, profile, {})
+                if "MatMulNBits" not in placement(session).get(profile.ort_provider, {}):
+                    results.append((level, zero_points, None))  # another EP's kernel: not this one's time
+                    continue
                 for _ in range(3):
                     session.run(None, {"x": x})
                 start = time.perf_counter()
@@ -194,19 +198,20 @@ def main(argv=None) -> int:
     parser.add_argument("--time", action="store_true",
                         help=f"time a one-row 4-bit MatMulNBits ({TIMED_K} x {TIMED_N}) per zero-point form instead")
     args = parser.parse_args(argv)
-    if args.time:
-        print(f"{'accuracy level':<16}{'zero points':<13}{'ms per run':>10}")
-        for level, zero_points, ms in time_zero_point_forms(args.ep):
-            print(f"{level:<16}{zero_points:<13}{ms:>10.2f}")
-        return 0
     try:
-        cases = probe(args.ep)
+        timings = time_zero_point_forms(args.ep) if args.time else None
+        cases = None if args.time else probe(args.ep)
     except UnknownProfileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except EpUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if timings is not None:
+        print(f"{'accuracy level':<16}{'zero points':<13}{'ms per run':>10}")
+        for level, zero_points, ms in timings:
+            print(f"{level:<16}{zero_points:<13}{'placed on another EP' if ms is None else f'{ms:>10.2f}'}")
+        return 0
     if args.json:
         print(json.dumps([asdict(c) for c in cases], indent=1))
         return 0

@@ -173,6 +173,7 @@ def main(argv=None) -> int:
     print(f"\n## Quality against transformers fp32, {args.source}, {rows[0][1]['positions']} positions of {args.text.name} "
           f"(windows of {args.window}); transformers fp32 perplexity {base:.3f}\n")
     # Export time (no cache) tells what a slower quantizer costs; a package by path has none here.
+    # The first export also pays for one-time imports.
     print("| package | MB | export s | perplexity | vs fp32 | top-1 | mean KL |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, result, size, seconds in rows:

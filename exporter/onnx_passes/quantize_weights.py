@@ -98,6 +98,7 @@ class _Blocks:
                 blob, scales, zero_points = k_quant_blocks(values if self.transposed else values.T,
                                                            self.format.block_size)
             elif self.format.method == "hqq":
+                assert self.format.bits == 4, "HQQ blocks are 4-bit (8-bit roles are round-to-nearest)"
                 blob, scales, zero_points = hqq_blocks(values if self.transposed else values.T, self.format.block_size)
             else:
                 k_by_n = np.ascontiguousarray(values.T if self.transposed else values)
@@ -231,7 +232,7 @@ class QuantizeWeights:
             return f"8-bit weights (rtn): block size {options.block_size}, symmetric, accuracy level {options.accuracy_level}"
         eight = f"; 8-bit {', '.join(options.eight_bit)}" if options.eight_bit else ""
         # Measured here (docs/measurements.md): a real 270M model decodes 14x slower.
-        slow = ("; float zero points, which ONNX Runtime 1.32's CPU runs on its slow reference kernel"
+        slow = ("; float zero points, which ONNX Runtime 1.32's CPU EP runs on a slow kernel"
                 if options.method == "hqq" else "")
         return (f"4-bit weights ({options.method}): block size {options.block_size}, "
                 f"{'asymmetric' if options.zero_points else 'symmetric'}, accuracy level {options.accuracy_level}{eight}{slow}")

@@ -13,7 +13,8 @@ the written model and dequantized with numpy, ``_dequantize``), per element, wit
   signed range (-8 or -128), so values of the other sign reach only 7 (127) steps: off by up to s;
   K-quant fits scale and minimum by least squares and may clip a block's extremes (up to 1.09 s
   measured on such weights): 1.5 s. HQQ keeps the range's scale and moves a float zero point to
-  cut the l_0.7 error, which may clip the extremes too (up to 0.55 s measured on such weights): s. Under
+  cut the l_0.7 error, which may clip the extremes too; nothing bounds that drift (0.55 s on these
+  weights, up to 1.05 s measured on heavy-tailed ones): 1.5 s, as for K-quant. Under
   HQQ the table is round-to-nearest with integer zero points (GatherBlockQuantized takes no float
   ones): s/2.
 - ONNX Runtime vs numpy on the stored blocks: at accuracy level 0 fp32 sums of K products,
@@ -162,7 +163,7 @@ def _check_matmul(y: np.ndarray, x: np.ndarray, float_kn: np.ndarray, stored_kn:
 
 # name: (precision, options, accuracy level override, bits, zero points, step factor)
 CASES = {
-    "int4 hqq": ("int4", Int4Options(method="hqq"), None, 4, True, 1.0),
+    "int4 hqq": ("int4", Int4Options(method="hqq"), None, 4, True, 1.5),
     "int4 default": ("int4", None, None, 4, True, 0.5),
     "int4 accuracy level 0": ("int4", Int4Options(accuracy_level=0), None, 4, True, 0.5),
     "int4 symmetric": ("int4", Int4Options(symmetric=True), None, 4, False, 1.0),
@@ -308,7 +309,7 @@ def test_only_quantized_sessions_plan_it():
     assert "4-bit weights (rtn): block size 32, asymmetric, accuracy level 4" in QuantizeWeights().applies(
         _settings("int4"), SESSIONS["decoder"])
     assert "8-bit" in QuantizeWeights().applies(_settings("int8"), SESSIONS["decoder"])
-    assert "slow reference kernel" in QuantizeWeights().applies(_settings("int4", Int4Options(method="hqq")),
+    assert "on a slow kernel" in QuantizeWeights().applies(_settings("int4", Int4Options(method="hqq")),
                                                                 SESSIONS["decoder"])
 
 
