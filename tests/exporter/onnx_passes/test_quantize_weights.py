@@ -209,7 +209,7 @@ def test_matmul_and_embedding_become_block_quantized_within_their_steps(case, tr
         assert scales.dtype == np.float32 and np.isfinite(scales).all() and (scales != 0).all()
         assert (zeros is not None) == zero_points
         if zero_points and hqq and weight != "table":
-            assert zeros.dtype == np.float32 and zeros.shape == (rows, blocks)
+            assert zeros.dtype == np.float32 and zeros.shape == (rows, blocks) and np.isfinite(zeros).all()
             assert (zeros != np.round(zeros)).any()  # fitted, not the range's rounded minimum
         elif zero_points:
             assert zeros.dtype == np.uint8 and zeros.shape == (rows, -(-blocks * bits // 8))
