@@ -94,7 +94,9 @@ def _add_option_flags(parser: argparse.ArgumentParser) -> None:
                         help="int4: rtn (round to nearest over each block, default), k_quant (llama.cpp's "
                              "K-quant fit of a scale and minimum per block) or hqq (Half-Quadratic Quantization: "
                              "a float zero point per block fitted to the rounding error; cpu only, and there "
-                             "ONNX Runtime 1.32 decodes it about 14x slower)")
+                             "ONNX Runtime 1.32 decodes it about 14x slower) or awq (activation-aware scales per "
+                             "input channel, searched at export time on the decoder's activations over built-in "
+                             "prompts, then round to nearest)")
     parser.add_argument("--int4-8bit", type=_roles, metavar="ROLE[,ROLE]",
                         help="int4: store these weights at 8 bits: lm_head, embeddings, sensitive_layers (the "
                              "value and down projections of the first and last eighth of the layers and every "

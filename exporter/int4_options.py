@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-INT4_METHODS = ("rtn", "k_quant", "hqq")
+INT4_METHODS = ("rtn", "k_quant", "hqq", "awq")
 # Weights an int4 export may store at 8 bits instead (``eight_bit``), those whose rounding costs
 # most: "lm_head", the logits' MatMul (and the table it is tied to); "embeddings", every gathered
 # table (and a head tied to one); "sensitive_layers", the attention value and MLP down projections
@@ -35,7 +35,11 @@ class Int4Options:
     point per block fitted by a proximal solver to the weights' l_0.7 error, so always with zero
     points, of the activation dtype, which only some EPs' MatMulNBits run
     (``EpProfile.weight_float_zero_points``). GatherBlockQuantized takes integer zero points
-    only, so under "hqq" the gathered tables (and a head tied to one) are round-to-nearest.
+    only, so under "hqq" the gathered tables (and a head tied to one) are round-to-nearest. "awq",
+    activation-aware scaling (AWQ): each decoder linear layer stores ``W * s`` round-to-nearest and
+    is fed ``x / s``, with s per input channel searched at export time on the decoder's float32
+    activations over a few built-in prompts (``exporter.load.activation_aware_scales``); integer
+    zero points, so every EP's kernel runs it, at the cost of a Div before each scaled MatMul.
     eight_bit: the roles (``EIGHT_BIT_ROLES``) stored as 8-bit blocks, round-to-nearest with the
     same block size and symmetry (8 bits leave little for a better search to win). Layers' value
     and down projections are found by their checkpoint names (``layers.N. ... v_proj`` /

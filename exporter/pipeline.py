@@ -163,18 +163,21 @@ def export(
         options = LoadOptions(allow_pickled_weights, trust_remote_code, random_weights, strict, text_only)
         loaded = load(model, tokenizer, options, processor)
         compute_dtype = PRECISIONS[precision].compute_dtype(profile)
-        prepared = prepare(loaded, compute_dtype)
-    ranges = prepared.activation_ranges
+        prepared = prepare(loaded, compute_dtype, int4 if PRECISIONS[precision].weight_bits == 4 else None)
+    ranges, awq = prepared.activation_ranges, prepared.activation_aware_scales
     settings = export_settings(profile, prepared.layout, precision, graph_capture=graph_capture,
                                full_logits=full_logits, int4=int4, multimodal=loaded.multimodal,
                                int4_encoders=int4_encoders,
-                               residual_exponent=activation_ranges.exponent_of(ranges), max_length=max_length)
+                               residual_exponent=activation_ranges.exponent_of(ranges), max_length=max_length,
+                               activation_aware_scales=awq.scales if awq is not None else None)
     plan = make_plan(settings)
     tokenizer_bytes = _tokenizer_bytes(loaded.tokenizer)
     destination.require_space(target, _fewest_weight_bytes(prepared, settings, plan) + tokenizer_bytes)
     report = _new_report(loaded, settings, plan)
     if ranges is not None:
         report.activation_ranges = activation_ranges.report_of(ranges)
+    if awq is not None:
+        report.activation_aware_scales = awq.to_dict()
     length = settings.context_length
     report.kv_cache = {"max_length": length, "element_bytes": compute_dtype.itemsize,
                        "bytes": settings.layout.kv_cache_bytes(length, compute_dtype.itemsize)}

@@ -52,6 +52,10 @@ class ExportSettings:
     residual_exponent: int = 0
     # The caller's cap on the context (--max-length, API max_length=); None: the profile's default.
     max_length: int | None = None
+    # --int4-method awq: each decoder linear layer's input scale s by its weight's checkpoint name,
+    # measured at export time (``exporter.load.activation_aware_scales``). Depends on the weights,
+    # so the graph cache's key leaves it out (it acts after the cached graphs).
+    activation_aware_scales: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def context_length(self) -> int:
@@ -164,7 +168,8 @@ class ExportPlan:
 def export_settings(profile: EpProfile, layout: DecoderLayout, precision: str, *, graph_capture: bool = True,
                     full_logits: bool = False, int4: Int4Options | None = None,
                     multimodal: MultimodalFacts | None = None, int4_encoders: bool = False,
-                    residual_exponent: int = 0, max_length: int | None = None) -> ExportSettings:
+                    residual_exponent: int = 0, max_length: int | None = None,
+                    activation_aware_scales: dict | None = None) -> ExportSettings:
     if max_length is not None and max_length > layout.context_length:
         raise ExporterError(f"max_length {max_length} is over the model's context length ({layout.context_length}, "
                             f"its max_position_embeddings); choose at most {layout.context_length}")
@@ -180,6 +185,7 @@ def export_settings(profile: EpProfile, layout: DecoderLayout, precision: str, *
         int4_encoders=int4_encoders,
         residual_exponent=residual_exponent,
         max_length=max_length,
+        activation_aware_scales=activation_aware_scales,
     )
 
 

@@ -208,7 +208,9 @@ def key_ingredients(model: torch.nn.Module, weight_store: WeightStore, settings,
         # pass may fold): fake and meta ones give their shape only.
         "buffers": {name: _tensor_digest(b) for name, b in model.named_buffers()},
         "weights": _qualified_name(type(weight_store)),
-        "settings": _jsonable({k: v for k, v in dataclasses.asdict(settings).items() if k != "residual_exponent"}),
+        # Less what the weights decide, which acts after the cached graphs.
+        "settings": _jsonable({k: v for k, v in dataclasses.asdict(dataclasses.replace(
+            settings, activation_aware_scales=None)).items() if k not in _WEIGHT_DEPENDENT_SETTINGS}),
         "plan": plan.to_dict(),
     }
 
@@ -411,6 +413,9 @@ def _config_values(config) -> dict[str, Any]:
         return values
 
     return _jsonable(without(config.to_dict()))
+
+
+_WEIGHT_DEPENDENT_SETTINGS = ("residual_exponent", "activation_aware_scales")
 
 
 def _jsonable(values: Any) -> Any:

@@ -157,8 +157,8 @@ def measure(model: torch.nn.Module, decoder: torch.nn.Module, tokenizer: Any, we
         if name and not holds_layer:
             hooks.append(module.register_forward_hook(record_other(name)))
     try:
-        with _float32_module_by_module(base, layers, inside_layers, model, weights), torch.no_grad():
-            device = _device_of(base)
+        with float32_module_by_module(base, layers, inside_layers, model, weights), torch.no_grad():
+            device = device_of(base)
             for prompt in CALIBRATION_PROMPTS:
                 ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
                 base(input_ids=ids, use_cache=False)
@@ -187,7 +187,7 @@ def _modules_under(layers: torch.nn.ModuleList) -> set[int]:
     return {id(m) for layer in layers for m in layer.modules()}
 
 
-def _device_of(module: torch.nn.Module) -> torch.device:
+def device_of(module: torch.nn.Module) -> torch.device:
     for tensor in (*module.parameters(), *module.buffers()):
         if tensor.device.type != "meta":
             return tensor.device
@@ -195,7 +195,7 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 
 
 @contextlib.contextmanager
-def _float32_module_by_module(base, layers, inside_layers: set[int], model, weights):
+def float32_module_by_module(base, layers, inside_layers: set[int], model, weights):
     """Give ``base`` float32 values for the run: outside the decoder layers once (embedding tables
     as the rows their input reads), inside each layer for its forward only; everything put back
     after."""
@@ -220,6 +220,7 @@ def _float32_module_by_module(base, layers, inside_layers: set[int], model, weig
 
     hooks = []
     tables: dict[int, torch.nn.Parameter] = {}
+    padding: dict[int, int | None] = {}  # each table's padding index, while its rows are swapped in
     outside = [m for m in base.modules() if id(m) not in inside_layers and not isinstance(m, torch.nn.Embedding)]
     modes = {module: module.training for module in base.modules()}
     base.eval()
@@ -228,8 +229,9 @@ def _float32_module_by_module(base, layers, inside_layers: set[int], model, weig
             swap_in(module)
         for module in base.modules():
             if isinstance(module, torch.nn.Embedding) and id(module) not in inside_layers:
-                hooks.append(module.register_forward_pre_hook(_rows_only(module, names[id(module)], weights, tables)))
-                hooks.append(module.register_forward_hook(_rows_dropped(tables)))
+                hooks.append(module.register_forward_pre_hook(_rows_only(module, names[id(module)], weights, tables,
+                                                                            padding)))
+                hooks.append(module.register_forward_hook(_rows_dropped(tables, padding)))
         for layer in layers:
             marks: list[int] = []
 
@@ -250,6 +252,8 @@ def _float32_module_by_module(base, layers, inside_layers: set[int], model, weig
         for module in base.modules():
             if id(module) in tables:  # a forward that raised between the two hooks
                 module._parameters["weight"] = tables.pop(id(module))
+            if id(module) in padding:
+                module.padding_idx = padding.pop(id(module))
         restore(0)
         for module, training in modes.items():
             module.training = training
@@ -268,7 +272,8 @@ def _float32_values(tensor: torch.Tensor, name: str, weights) -> torch.Tensor:
     return torch.nn.Parameter(values, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else values
 
 
-def _rows_only(embedding: torch.nn.Embedding, name: str, weights, tables: dict[int, torch.nn.Parameter]):
+def _rows_only(embedding: torch.nn.Embedding, name: str, weights, tables: dict[int, torch.nn.Parameter],
+               padding: dict[int, int | None]):
     """A pre-hook giving ``embedding`` a table of just the rows its input reads, in float32, and
     the input renumbered into it (the lookup's values are the same); ``tables`` keeps the table to
     put back."""
@@ -283,11 +288,16 @@ def _rows_only(embedding: torch.nn.Embedding, name: str, weights, tables: dict[i
             values = table.detach()[rows].to(torch.float32)
         tables[id(module)] = table
         module._parameters["weight"] = torch.nn.Parameter(values, requires_grad=False)
+        # The padding row's index may be past the few rows kept (torch asserts it is within the
+        # table); it only stops gradients, so the lookup's values are the same without it.
+        padding[id(module)] = module.padding_idx
+        module.padding_idx = None
         return (renumbered.to(ids.device), *args[1:])
     return hook
 
 
-def _rows_dropped(tables: dict[int, torch.nn.Parameter]):
+def _rows_dropped(tables: dict[int, torch.nn.Parameter], padding: dict[int, int | None]):
     def hook(module, args, output):
         module._parameters["weight"] = tables.pop(id(module))
+        module.padding_idx = padding.pop(id(module))
     return hook

@@ -11,6 +11,8 @@ import torch
 import transformers
 
 from exporter.errors import ExporterError
+from exporter.int4_options import Int4Options
+from exporter.load.activation_aware_scales import ActivationAwareScales, measure_scales
 from exporter.load.activation_ranges import ActivationRanges, calibrate
 from exporter.load.compute_dtype import cast_like_from_pretrained
 from exporter.load.layout import DecoderLayout, causal_lm_view, derive_layout, non_kv_state_layers, text_config
@@ -32,16 +34,21 @@ class PreparedModel:
     # fp16 activations: the decoder's float32 peaks on the calibration prompts, or why they were
     # not measured (``exporter.load.activation_ranges``); None at other precisions.
     activation_ranges: ActivationRanges | str | None = None
+    # --int4-method awq: each decoder linear layer's AWQ input scale, measured on the same prompts
+    # (``exporter.load.activation_aware_scales``); None otherwise.
+    activation_aware_scales: ActivationAwareScales | None = None
 
     @property
     def weights_in_model(self) -> bool:
         return isinstance(self.weight_store, ModelWeights)
 
 
-def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
+def prepare(loaded: LoadedModel, dtype: torch.dtype, int4: Int4Options | None = None) -> PreparedModel:
+    """``int4``: the options of a 4-bit export, whose AWQ method is measured here."""
     _refuse_non_kv_state(loaded.model.config)  # from the config: before any weight is read or measured
     # Measured first, in float32 on the model as loaded: the cast and the fake weights come after.
     ranges = calibrate(loaded) if dtype == torch.float16 else None
+    scales = measure_scales(loaded, int4) if int4 is not None and int4.method == "awq" else None
     model = loaded.model
     if loaded.weights is not None:
         cast_like_from_pretrained(model, dtype)  # empty parameters, built for this export: no copy
@@ -67,9 +74,9 @@ def prepare(loaded: LoadedModel, dtype: torch.dtype) -> PreparedModel:
         ) from error
     saved_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     if loaded.weights is None:
-        return PreparedModel(model, decoder, layout, saved_shapes, ModelWeights(model), ranges)
+        return PreparedModel(model, decoder, layout, saved_shapes, ModelWeights(model), ranges, scales)
     fake_weights(model, buffers=loaded.weights.provides_buffers)
-    return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights, ranges)
+    return PreparedModel(model, decoder, layout, saved_shapes, loaded.weights, ranges, scales)
 
 
 def _refuse_non_kv_state(config) -> None:

@@ -21,7 +21,6 @@ the checkpoint tensor their initializer reads (``exporter.weights.origins.made_f
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 
@@ -31,24 +30,8 @@ from onnx_ir.passes import common
 
 from exporter.errors import ExporterError
 from exporter.int4_options import Int4Options
+from exporter.weights.block_rounding import ORT_QUANTIZER, rtn_blocks
 
-
-def _import_quantizer():
-    """onnxruntime's quantizer module calls ``logging.basicConfig(level=INFO)`` on import, which
-    would make every library's INFO lines print; the root logger is put back as it was."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        from onnxruntime.quantization import matmul_nbits_quantizer
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return matmul_nbits_quantizer
-
-
-_ORT_QUANTIZER = _import_quantizer()
-DefaultWeightOnlyQuantConfig = _ORT_QUANTIZER.DefaultWeightOnlyQuantConfig
-DefaultWeightOnlyQuantizer = _ORT_QUANTIZER.DefaultWeightOnlyQuantizer
 
 MICROSOFT = "com.microsoft"
 
@@ -85,8 +68,10 @@ class _Blocks:
     """One weight's quantized parts (blob, scales, zero points), computed on first read and
     dropped once each part has been read, so saving holds one weight's parts at a time."""
 
-    def __init__(self, weight: ir.TensorProtocol, transposed: bool, block_format: BlockFormat):
+    def __init__(self, weight: ir.TensorProtocol, transposed: bool, block_format: BlockFormat,
+                 input_scale: np.ndarray | None = None):
         self.weight, self.transposed, self.format = weight, transposed, block_format
+        self.input_scale = input_scale  # AWQ's s [k]: the blocks hold weight * s
         self.wanted = ("blob", "scales", "zero_points") if block_format.zero_points else ("blob", "scales")
         self.parts: dict[str, np.ndarray] | None = None
         self.unread: set[str] = set()
@@ -94,6 +79,9 @@ class _Blocks:
     def part(self, name: str) -> ir.Tensor:
         if self.parts is None:
             values = self.weight.numpy()
+            if self.input_scale is not None:
+                scale = self.input_scale.astype(values.dtype)
+                values = values * (scale if self.transposed else scale[:, None])
             if self.format.method == "k_quant":
                 blob, scales, zero_points = k_quant_blocks(values if self.transposed else values.T,
                                                            self.format.block_size)
@@ -101,11 +89,8 @@ class _Blocks:
                 assert self.format.bits == 4, "HQQ blocks are 4-bit (8-bit roles are round-to-nearest)"
                 blob, scales, zero_points = hqq_blocks(values if self.transposed else values.T, self.format.block_size)
             else:
-                k_by_n = np.ascontiguousarray(values.T if self.transposed else values)
-                config = DefaultWeightOnlyQuantConfig(
-                    block_size=self.format.block_size, is_symmetric=self.format.symmetric, bits=self.format.bits
-                )
-                blob, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(k_by_n)
+                blob, scales, zero_points = rtn_blocks(values if self.transposed else values.T, self.format.bits,
+                                                       self.format.block_size, self.format.symmetric)
             self.parts = dict(zip(("blob", "scales", "zero_points"), (blob, scales, zero_points), strict=True))
             self.unread = set(self.wanted)
         array = self.parts[name]
@@ -161,7 +146,7 @@ def hqq_blocks(n_by_k: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, 
     own; only the solver's early stop looks at the whole batch)."""
     import torch
 
-    quantizer = _ORT_QUANTIZER.HQQWeightOnlyQuantizer(_ORT_QUANTIZER.HQQWeightOnlyQuantConfig(block_size=block, bits=4))
+    quantizer = ORT_QUANTIZER.HQQWeightOnlyQuantizer(ORT_QUANTIZER.HQQWeightOnlyQuantConfig(block_size=block, bits=4))
     n, k = n_by_k.shape
     blocks = -(-k // block)
     blob = np.empty((n, blocks, block // 2), np.uint8)
@@ -192,8 +177,8 @@ class _ExpertBlocks:
 
     def part(self, name: str) -> ir.Tensor:
         if self.parts is None:
-            config = DefaultWeightOnlyQuantConfig(block_size=self.options.block_size, is_symmetric=True)
-            quantizer = DefaultWeightOnlyQuantizer(config)
+            config = ORT_QUANTIZER.DefaultWeightOnlyQuantConfig(block_size=self.options.block_size, is_symmetric=True)
+            quantizer = ORT_QUANTIZER.DefaultWeightOnlyQuantizer(config)
             blobs, scales = [], []
             for expert in self.weight.numpy():  # [out, in]: the quantizer takes [k = in, n = out]
                 blob, scale, _ = quantizer.qbits_block_quant(np.ascontiguousarray(expert.T))
@@ -216,6 +201,7 @@ class _Quantized:
     n: int
     k: int
     format: BlockFormat
+    input_divisor: ir.Value | None = None  # AWQ's s [k]: the blocks hold weight * s, so x / s is fed
 
 
 class QuantizeWeights:
@@ -238,7 +224,8 @@ class QuantizeWeights:
                 f"{'asymmetric' if options.zero_points else 'symmetric'}, accuracy level {options.accuracy_level}{eight}{slow}")
 
     def __call__(self, model: ir.Model, settings, session) -> dict[str, int]:
-        quantizer = _Quantizer(settings.int4, settings.weight_bits, settings.layout.num_layers, settings.profile.max_buffer_size)
+        quantizer = _Quantizer(settings.int4, settings.weight_bits, settings.layout.num_layers,
+                               settings.profile.max_buffer_size, settings.activation_aware_scales)
         quantizer.run(model)
         if not quantizer.matmuls and not quantizer.gathers:
             raise ExporterError("weight quantization found no MatMul with a constant weight and no embedding table to quantize")
@@ -251,6 +238,10 @@ class QuantizeWeights:
                 # Under HQQ: tables (and a head tied to one) quantized round-to-nearest, with
                 # integer zero points, because GatherBlockQuantized takes no float ones.
                 **({"tables_round_to_nearest": quantizer.tables_round_to_nearest} if settings.int4.method == "hqq" else {}),
+                # Under AWQ: the MatMuls fed x / s, and the 4-bit ones without a measured s (the LM
+                # head, layers outside the decoder's, weights a pass derived), round-to-nearest.
+                **({"awq_scaled": quantizer.awq_scaled, "awq_unscaled": quantizer.awq_unscaled}
+                   if settings.int4.method == "awq" and settings.weight_bits == 4 else {}),
                 # Weights stored at 8 bits in an int4 export (Int4Options.eight_bit), by role, and
                 # those kept at 4 because their 8-bit blob would pass the profile's buffer limit.
                 **{f"eight_bit_{role}": count for role, count in quantizer.eight_bit.items()},
@@ -268,8 +259,11 @@ def sensitive_layer(index: int, layers: int) -> bool:
 
 
 class _Quantizer:
-    def __init__(self, options: Int4Options, bits: int, layers: int, max_buffer_size: int | None):
+    def __init__(self, options: Int4Options, bits: int, layers: int, max_buffer_size: int | None,
+                 input_scales: dict[str, np.ndarray] | None = None):
         self.options, self.bits, self.layers, self.max_buffer_size = options, bits, layers, max_buffer_size
+        self.input_scales = input_scales or {}
+        self.awq_scaled = self.awq_unscaled = 0
         self.over_buffer_limit = 0
         self.matmuls = self.gathers = self.shared_tables = self.experts_blocks = self.float_experts_blocks = 0
         self.tables_without_zero_points = self.tables_round_to_nearest = 0
@@ -300,7 +294,12 @@ class _Quantizer:
             if key not in quantized:
                 quantized[key] = self._quantize(graph, source, transposed, k, n,
                                                 self._format_for(source, k, n, tables, lm_head=node is self.lm_head))
-            self._replace_matmul(graph, node, quantized[key])
+            q = quantized[key]
+            if q.input_divisor is not None:
+                self.awq_scaled += 1
+            elif q.format.bits == 4 and self.options.method == "awq":
+                self.awq_unscaled += 1
+            self._replace_matmul(graph, node, q)
             self.matmuls += 1
         for node in list(graph):
             if node.op_type != "Gather" or node.domain != "" or (table := _table_of(node)) is None:
@@ -383,6 +382,8 @@ class _Quantizer:
         if options.method == "hqq" and id(source) in tables:  # GatherBlockQuantized's zero points are integers
             self.tables_round_to_nearest += 1
             return BlockFormat(4, options.block_size, False)
+        if options.method == "awq":  # AWQ's scale is applied in _quantize; its blocks are round-to-nearest
+            return BlockFormat(4, options.block_size, options.symmetric)
         return BlockFormat(4, options.block_size, options.symmetric, options.method)
 
     def _eight_bit_role(self, source: ir.Value, tables: dict, lm_head: bool) -> str | None:
@@ -402,7 +403,8 @@ class _Quantizer:
                   block_format: BlockFormat) -> _Quantized:
         """``source`` is the weight as stored: [k, n] (x @ w), or [n, k] when ``transposed``."""
         blocks = -(-k // block_format.block_size)
-        parts = _Blocks(source.const_value, transposed, block_format)
+        scale = self._awq_scale(source, k, block_format)
+        parts = _Blocks(source.const_value, transposed, block_format, scale)
         dtype = source.dtype
 
         def initializer(part: str, suffix: str, part_dtype: ir.DataType, shape: list[int]) -> ir.Value:
@@ -420,15 +422,35 @@ class _Quantizer:
             zero_points = initializer("zero_points", "zero_points", dtype, [n, blocks])
         else:
             zero_points = initializer("zero_points", "zero_points", ir.DataType.UINT8, [n, block_format.zero_point_width(blocks)])
-        return _Quantized(blob, scales, zero_points, n, k, block_format)
+        divisor = None
+        if scale is not None:
+            divisor = ir.Value(name=_unique(graph, f"{source.name}.awq_divisor"),
+                               const_value=ir.tensor(scale.astype(dtype.numpy())))
+            graph.register_initializer(divisor)
+        return _Quantized(blob, scales, zero_points, n, k, block_format, divisor)
+
+    def _awq_scale(self, source: ir.Value, k: int, block_format: BlockFormat) -> np.ndarray | None:
+        """AWQ's measured s [k] for a 4-bit MatMul weight read from a decoder linear layer's
+        checkpoint tensor (``exporter.load.activation_aware_scales``; a graph not read from a
+        checkpoint: by the initializer's name), else None."""
+        if self.options.method != "awq" or block_format.bits != 4 or not self.input_scales:
+            return None
+        scale = self.input_scales.get(_checkpoint_name(source.const_value) or source.name)
+        return scale if scale is not None and scale.shape == (k,) else None
 
     def _replace_matmul(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
-        inputs = [node.inputs[0], q.blob, q.scales] + ([q.zero_points] if q.zero_points is not None else [])
+        new_nodes, x = [], node.inputs[0]
+        if q.input_divisor is not None:
+            new_nodes.append(ir.node("Div", [x, q.input_divisor], name=f"{node.name}.awq"))
+            divided = new_nodes[-1].outputs[0]
+            divided.dtype, divided.shape, x = x.dtype, x.shape, divided
+        inputs = [x, q.blob, q.scales] + ([q.zero_points] if q.zero_points is not None else [])
         attributes = {"K": q.k, "N": q.n, "bits": q.format.bits, "block_size": q.format.block_size}
         if self.options.accuracy_level:
             attributes["accuracy_level"] = self.options.accuracy_level
-        replacement = ir.node("MatMulNBits", inputs, attributes, domain=MICROSOFT, name=f"{node.name}.int{q.format.bits}")
-        _swap(graph, node, [replacement])
+        new_nodes.append(ir.node("MatMulNBits", inputs, attributes, domain=MICROSOFT,
+                                 name=f"{node.name}.int{q.format.bits}"))
+        _swap(graph, node, new_nodes)
 
     def _replace_gather(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
         block = q.format.block_size

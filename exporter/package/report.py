@@ -85,6 +85,9 @@ class ExportReport:
     # fp16 activations: the decoder's float32 activation peaks on the calibration prompts and the
     # residual scale chosen from them (``exporter.load.activation_ranges``), or {"skipped": why}.
     activation_ranges: dict[str, Any] = field(default_factory=dict)
+    # --int4-method awq: what the scale search measured (``exporter.load.activation_aware_scales``):
+    # {"weights", "tokens", "unscaled" (those it left at s = 1), "mean_exponent", "seconds"}.
+    activation_aware_scales: dict[str, Any] = field(default_factory=dict)
     # fp16 activations: the CPU EP's prefill of a sample prompt (``exporter.verify.sample_prefill``):
     # {"prompt", "prompt_tokens", "max_abs_logit", "seconds"}, or {"skipped": why}.
     sample_prefill: dict[str, Any] = field(default_factory=dict)
@@ -131,6 +134,7 @@ class ExportReport:
             "kv_cache": self.kv_cache,
             "graph_cache": self.graph_cache,
             "activation_ranges": self.activation_ranges,
+            "activation_aware_scales": self.activation_aware_scales,
             "sample_prefill": self.sample_prefill,
             "notes": self.notes,
         }
@@ -159,6 +163,10 @@ class ExportReport:
             lines.append(f"- graph cache: {describe_graph_cache(self.graph_cache)}")
         if self.activation_ranges:
             lines.append(f"- fp16 range: {describe_activation_ranges(self.activation_ranges)}")
+        if scales := self.activation_aware_scales:
+            lines.append(f"- AWQ scales: {scales['weights']} linear layers searched on {scales['tokens']} tokens in "
+                         f"{scales['seconds']:.1f} s, mean exponent {scales['mean_exponent']}, "
+                         f"{scales['unscaled']} left unscaled")
         if self.sample_prefill:
             prefill = self.sample_prefill
             lines.append(f"- sample prefill on the CPU EP: skipped ({prefill['skipped']})" if "skipped" in prefill else

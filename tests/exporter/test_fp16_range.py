@@ -208,3 +208,20 @@ def test_sensitive_layers_are_found_through_the_residual_scale(past_fp16, tmp_pa
     unscaled = export(str(folder), ep="cpu", precision="int4", int4=sensitive, output_dir=tmp_path / "cpu")
     counts = [p.report.onnx_pass_changes("quantize_weights")["eight_bit_sensitive_layers"] for p in (scaled, unscaled)]
     assert counts == [4, 4]  # layers 2 and 3 of 4: value and down projections
+
+
+@pytest.mark.l1
+def test_a_table_whose_padding_row_is_past_the_prompts_rows_is_measured():
+    """Qwen2's embedding keeps ``padding_idx`` (the real 0.5B's pad token, 151643). The run swaps in
+    only the prompts' rows, and torch asserts the padding index lies within the table, so the
+    index is lifted for the lookup (it only stops gradients) and put back after: the peaks equal
+    those of the model without a padding row."""
+    from exporter.load.presets import build_preset
+
+    model, tokenizer = build_preset("tiny-qwen3")
+    embedding = model.get_input_embeddings()
+    plain = measure(model, model, tokenizer, None)
+    embedding.padding_idx = embedding.num_embeddings - 1
+    padded = measure(model, model, tokenizer, None)
+    assert embedding.padding_idx == embedding.num_embeddings - 1
+    assert padded.layer_peaks == plain.layer_peaks and np.isfinite(padded.layer_peaks).all()

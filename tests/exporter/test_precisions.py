@@ -52,7 +52,9 @@ PROMPT_LENGTH = 12
 # sensitive layers ("mixed") 0.66 and 0.69, k_quant 1.85 and 2.03; int8 0.081 (cpu, int8
 # compute) and 0.080 (webgpu, fp16 activations): bound 0.3.
 # HQQ (cpu only, float zero points) 0.78, 2026-12-07: bound 1.5.
-LOGIT_TOLERANCE = {"fp32": 1e-4, "fp16": 2.5e-2, "int4-cpu": 1.0, "int4-webgpu": 1.0, "int4-k_quant-cpu": 2.5,
+# AWQ (scales searched on the built-in prompts, then round-to-nearest) 0.89 (cpu) and 0.85 (webgpu),
+# 2026-12-07: bound 1.5.
+LOGIT_TOLERANCE = {"int4-awq-cpu": 1.5, "int4-awq-webgpu": 1.5, "fp32": 1e-4, "fp16": 2.5e-2, "int4-cpu": 1.0, "int4-webgpu": 1.0, "int4-k_quant-cpu": 2.5,
                    "int4-k_quant-webgpu": 2.5, "int4-hqq-cpu": 1.5, "int4-mixed-cpu": 1.0, "int4-mixed-webgpu": 1.0, "int8-cpu": 0.3,
                    "int8-webgpu": 0.3}
 
@@ -64,6 +66,8 @@ PACKAGES = {  # name -> (ep, precision)
     "int4-k_quant-cpu": ("cpu", "int4"),
     "int4-k_quant-webgpu": ("webgpu", "int4"),
     "int4-hqq-cpu": ("cpu", "int4"),  # float zero points: cpu only
+    "int4-awq-cpu": ("cpu", "int4"),  # AWQ's input scales, searched at export time
+    "int4-awq-webgpu": ("webgpu", "int4"),
     "int4-mixed-cpu": ("cpu", "int4"),  # the LM head and the sensitive layers at 8 bits
     "int4-mixed-webgpu": ("webgpu", "int4"),
     "int8-cpu": ("cpu", "int8"),
@@ -81,6 +85,8 @@ def _int4_options(name: str, ep: str):
         return dataclasses.replace(int4_options(get_profile(ep), "int4", None), method="k_quant")
     if "hqq" in name:
         return dataclasses.replace(int4_options(get_profile(ep), "int4", None), method="hqq")
+    if "awq" in name:
+        return dataclasses.replace(int4_options(get_profile(ep), "int4", None), method="awq")
     if "mixed" in name:
         return dataclasses.replace(int4_options(get_profile(ep), "int4", None), eight_bit=MIXED)
     return None
@@ -200,6 +206,35 @@ def test_hqq_package_has_finite_float_zero_points_and_integer_ones_on_its_tables
     assert changes["tables_round_to_nearest"] + changes["tables_without_zero_points"] >= 1
     assert "slow kernel" in next(p["why"] for p in package.report.plan["sessions"][0]["onnx_passes"]
                                  if p["name"] == "quantize_weights")
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("name", ["int4-awq-cpu", "int4-awq-webgpu"])
+def test_awq_package_divides_each_decoder_linear_input_by_its_measured_scale(trained, name):
+    """Under AWQ every decoder linear layer's MatMulNBits reads its input through a Div by that
+    layer's s (finite, positive, not all 1: the search moved it), in the activation dtype; the
+    LM head (outside the layers) is plain round-to-nearest; the report says what was searched."""
+    package = trained[2][name]
+    graph = ir.load(str(package.model_path)).graph
+    matmuls = [n for n in graph if n.op_type == "MatMulNBits"]
+    scaled = [n for n in matmuls if n.inputs[0].producer() is not None and n.inputs[0].producer().op_type == "Div"
+              and n.inputs[0].producer().name.endswith(".awq")]
+    changes = package.report.onnx_pass_changes("quantize_weights")
+    assert len(scaled) == changes["awq_scaled"] > 0 and changes["awq_unscaled"] >= 1  # the head
+    measured = package.report.activation_aware_scales
+    assert measured["weights"] >= changes["awq_scaled"] and measured["tokens"] > 0
+    assert measured["unscaled"] < measured["weights"]
+    activation = ir.DataType.FLOAT16 if name.endswith("webgpu") else ir.DataType.FLOAT
+    moved = False
+    for node in scaled:
+        divisor = node.inputs[0].producer().inputs[1]
+        s = divisor.const_value.numpy().astype(np.float64)
+        assert divisor.dtype == activation and s.shape == (node.attributes["K"].value,)
+        assert np.isfinite(s).all() and (s > 0).all()
+        moved |= bool(np.abs(s - 1).max() > 1e-3)
+    assert moved
+    lm_head = next(n for n in matmuls if n.attributes["N"].value == 512)
+    assert lm_head not in scaled
 
 
 def _bits(package) -> dict[str, list[int]]:
@@ -348,7 +383,8 @@ def test_greedy_continuation_matches_transformers_fp32(trained, name):
 
 @pytest.mark.l5
 @pytest.mark.xdist_group("webgpu")
-@pytest.mark.parametrize("name", ["fp16", "int4-webgpu", "int4-k_quant-webgpu", "int4-mixed-webgpu", "int8-webgpu"])
+@pytest.mark.parametrize("name", ["fp16", "int4-webgpu", "int4-k_quant-webgpu", "int4-awq-webgpu", "int4-mixed-webgpu",
+                                  "int8-webgpu"])
 def test_webgpu_greedy_continuation_matches_transformers_fp32(trained, name):
     from tests.helpers.webgpu import require_webgpu
 

@@ -46,6 +46,7 @@ from exporter.onnx_passes.quantize_weights import QuantizeWeights
 from exporter.plan import export_settings
 from exporter.precisions import int4_options
 from exporter.sessions import SESSIONS
+from exporter.weights.block_rounding import round_trip
 
 pytestmark = pytest.mark.unit
 
@@ -336,3 +337,69 @@ def test_a_quantized_export_with_nothing_to_quantize_is_an_error(precision):
     with pytest.raises(ExporterError, match="found no MatMul with a constant weight"):
         QuantizeWeights()(model, _settings(precision), SESSIONS["decoder"])
     assert ir.to_proto(model).SerializeToString() == before
+
+
+# AWQ's s for WEIGHT's K input channels: spread over 16x, in no order.
+AWQ_SCALE = _RNG.permutation(np.geomspace(0.25, 4.0, K)).astype(np.float32)
+
+
+@pytest.mark.l3
+@pytest.mark.parametrize("transposed", [False, True], ids=["weight [k, n]", "weight [n, k] transposed"])
+def test_awq_stores_the_weight_times_its_scale_and_divides_the_input_by_it(transposed):
+    """Under AWQ the blocks hold W * s (row k of [k, n] times s[k]) rounded to nearest, within half
+    a step, and the MatMulNBits reads x / s through a Div, so ONNX Runtime computes x @ W within
+    the same bounds as round-to-nearest on (x / s) @ (W * s). The table is not a linear layer's
+    input: round-to-nearest, unscaled."""
+    name = "w_t" if transposed else "w"
+    settings = dataclasses.replace(_settings("int4", Int4Options(method="awq")),
+                                   activation_aware_scales={name: AWQ_SCALE})
+    model = _model(transposed)
+    changes = QuantizeWeights()(model, settings, SESSIONS["decoder"])
+    assert {k: v for k, v in changes.items() if v} == {"matmuls": 1, "gathers": 1, "awq_scaled": 1}
+    assert "4-bit weights (awq)" in QuantizeWeights().applies(settings, SESSIONS["decoder"])
+    matmul = next(node for node in model.graph if node.op_type == "MatMulNBits")
+    divide = matmul.inputs[0].producer()
+    assert divide.op_type == "Div" and divide.inputs[0].name == "x"
+    np.testing.assert_array_equal(divide.inputs[1].const_value.numpy(), AWQ_SCALE)
+
+    proto = ir.to_proto(model)
+    stored, steps = (m.T for m in _dequantize(_stored(proto, f"{name}.int4"), _stored(proto, f"{name}.scales"),
+                                              _stored(proto, f"{name}.zero_points"), 4, K))  # [k, n]
+    scaled = WEIGHT * AWQ_SCALE[:, None]
+    assert (np.abs(stored - scaled) <= 0.5 * steps * (1 + 1e-6)).all()
+    # What AWQ's search rounds with is what the package stores.
+    np.testing.assert_allclose(round_trip(np.ascontiguousarray(scaled.T), 4, BLOCK, False), stored.T, rtol=1e-6,
+                               atol=1e-6 * np.abs(scaled).max())
+    got = _run(proto, {"x": X, "ids": IDS, "x_small": X_SMALL})
+    _check_matmul(got["y"], X / AWQ_SCALE, scaled, stored, steps, 0.5, settings.int4.accuracy_level)
+    table, _ = _dequantize(_stored(proto, "table.int4"), _stored(proto, "table.scales"),
+                           _stored(proto, "table.zero_points"), 4, K)
+    np.testing.assert_allclose(got["rows"], table[IDS], rtol=2.0**-23, atol=0)
+
+
+@pytest.mark.l1
+def test_awq_search_is_never_worse_than_round_to_nearest_on_its_tokens_and_favours_loud_channels():
+    """AWQ's grid starts at s = 1 (round-to-nearest), so its pick's output error on the
+    calibration tokens is at most round-to-nearest's; channels whose activations are 30x louder
+    get larger factors (finer steps); a channel no token reached gets a finite factor."""
+    import torch
+
+    from exporter.load.activation_aware_scales import search
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    x[:, :8] *= 30.0
+    x[:, 100] = 0.0
+    w = (rng.standard_normal((48, 128)) * 0.05).astype(np.float32)
+    def rounded(n_by_k):
+        return round_trip(n_by_k, bits=4, block_size=32, symmetric=False)
+
+    s, exponent = search(torch.from_numpy(x), torch.from_numpy(w), rounded)
+    assert s.shape == (128,) and s.dtype == np.float32 and np.isfinite(s).all() and (s > 0).all()
+    assert exponent > 0 and s[:8].min() > s[8:].max()
+
+    def error(scale):
+        stored = rounded(w * scale) / scale
+        return float(np.mean((x @ stored.T - x @ w.T) ** 2))
+
+    assert error(s) < error(np.ones(128, np.float32))

@@ -1,0 +1,148 @@
+"""AWQ's input-channel scales (activation-aware weight quantization, Lin et al., 2023), measured at
+export time for ``--int4-method awq``.
+
+Rounding error in a weight column costs in proportion to the activation that multiplies it. So for
+each linear layer of the decoder, the export stores ``W * s`` (s: one factor per input channel)
+quantized, and feeds the layer ``x / s``: the product is unchanged in exact arithmetic, but the
+columns that meet large activations are rounded on a finer grid. AWQ's search picks ``s = m**a``
+(``m``: the mean |x| of each channel, normalized) with ``a`` on a grid in [0, 1) that minimizes
+the layer's output error on calibration tokens, the rounding done by the same round-to-nearest
+quantizer the package is written with (``exporter.onnx_passes.quantize_weights``). ``a = 0`` is
+plain round-to-nearest, so on the calibration tokens no layer is worse than without AWQ.
+
+An attention block's linear layers are scaled only where they read the block's own input (query,
+key and value projections), not its output projection, which reads the heads' mixed values: on
+the real Gemma 3 270M, scaling it too left mean KL where it was (0.536 against round-to-nearest's
+0.543 for that projection alone) and made perplexity 1.2x worse (docs/measurements.md). AWQ's own
+code scales it only through the value projection, and not under grouped-query attention.
+
+The tokens are ``activation_ranges.CALIBRATION_PROMPTS`` run through the decoder in float32, one
+decoder layer's weights in memory at a time, as for the fp16 range (``activation_ranges``); each
+linear layer's search runs in its last prompt's forward, while its weights are loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from exporter.errors import ExporterError
+from exporter.int4_options import Int4Options
+from exporter.load import activation_ranges
+from exporter.weights.block_rounding import round_trip
+
+# Exponents tried: a = 0, 1/GRID, ..., (GRID - 1)/GRID, AWQ's own grid.
+GRID = 20
+
+
+@dataclass
+class ActivationAwareScales:
+    # Checkpoint name of a linear layer's weight -> s, float32 [in_features]: stored W * s, fed x / s.
+    scales: dict[str, np.ndarray] = field(repr=False)
+    exponents: dict[str, float] = field(repr=False)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        chosen = list(self.exponents.values())
+        return {"weights": len(self.scales), "tokens": self.tokens,
+                "unscaled": sum(1 for a in chosen if a == 0),
+                "mean_exponent": round(float(np.mean(chosen)), 3) if chosen else None,
+                "seconds": round(self.seconds, 3)}
+
+
+def measure_scales(loaded, options: Int4Options) -> ActivationAwareScales:
+    """Each decoder linear layer's AWQ scale, or an error saying why the decoder could not be run."""
+    from exporter.load.layout import causal_lm_view
+
+    rounded = functools.partial(round_trip, bits=4, block_size=options.block_size, symmetric=options.symmetric)
+    start = time.perf_counter()
+    model = loaded.model
+    decoder = causal_lm_view(model) if loaded.multimodal else model
+    base = decoder.base_model
+    names = {id(m): name for name, m in model.named_modules()}
+    layers = activation_ranges.decoder_layers(base)
+    linears = [m for layer in layers for m in layer.modules()
+               if isinstance(m, torch.nn.Linear) and m.in_features >= options.block_size]
+    rows: dict[int, list[torch.Tensor]] = {id(m): [] for m in linears}
+    found = ActivationAwareScales({}, {})
+    prompts = activation_ranges.CALIBRATION_PROMPTS
+    last = [False]
+    # Each attention block's linear layers -> the input its current forward was given.
+    attention_of = {id(inner): attention for layer in layers for attention in layer.modules()
+                    if _is_attention(attention) for inner in attention.modules() if isinstance(inner, torch.nn.Linear)}
+    attention_inputs: dict[int, torch.Tensor] = {}
+
+    def remember_input(module, args, kwargs):
+        attention_inputs[id(module)] = args[0] if args else kwargs.get("hidden_states")
+
+    def hook(module, args, output):
+        name = f"{names[id(module)]}.weight"
+        if name in found.scales:  # a layer called twice in a forward: searched at its first call
+            return
+        attention = attention_of.get(id(module))
+        if attention is not None and args[0] is not attention_inputs.get(id(attention)):
+            return  # an attention block's output projection: not scaled (module docstring)
+        rows[id(module)].append(args[0].detach().reshape(-1, module.in_features).to(torch.float32))
+        if last[0]:
+            weight = module.weight.detach().to(torch.float32)
+            found.scales[name], found.exponents[name] = search(torch.cat(rows.pop(id(module))), weight, rounded)
+
+    hooks = [m.register_forward_hook(hook) for m in linears]
+    hooks += [m.register_forward_pre_hook(remember_input, with_kwargs=True)
+              for m in {id(a): a for a in attention_of.values()}.values()]
+    try:
+        inside = {id(m) for layer in layers for m in layer.modules()}
+        with activation_ranges.float32_module_by_module(base, layers, inside, model, loaded.weights), torch.no_grad():
+            device = activation_ranges.device_of(base)
+            for index, prompt in enumerate(prompts):
+                last[0] = index == len(prompts) - 1
+                ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+                found.tokens += ids.shape[-1]
+                base(input_ids=ids, use_cache=False)
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ExporterError(
+            f"--int4-method awq measures the decoder's activations in float32, and running it raised "
+            f"{type(error).__name__}: {first}; use --int4-method rtn (or hqq, k_quant)") from error
+    finally:
+        for h in hooks:
+            h.remove()
+    if not found.scales:
+        raise ExporterError("--int4-method awq found no linear layer in the decoder's layers to scale; "
+                            "use --int4-method rtn")
+    found.seconds = time.perf_counter() - start
+    return found
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    """transformers' attention blocks: their classes end in "Attention" (LlamaAttention,
+    Gemma3Attention, GptOssAttention...)."""
+    return type(module).__name__.endswith("Attention")
+
+
+def search(x: torch.Tensor, weight: torch.Tensor,
+           rounded: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, float]:
+    """AWQ's grid search for one layer: x [tokens, in], weight [out, in] -> (s, its exponent a),
+    the s = m**a (normalized to geometric mean 1 over its range) whose ``rounded(weight * s)``
+    (the package's blocks, decoded), fed ``x / s``, gives outputs nearest the float layer's."""
+    reference = x @ weight.T
+    magnitude = x.abs().mean(0)
+    # A channel no calibration token reached: left unscaled (its factor would be 0).
+    magnitude = torch.where(magnitude > 0, magnitude, magnitude[magnitude > 0].min() if (magnitude > 0).any() else 1.0)
+    best = (float("inf"), np.ones(weight.shape[1], np.float32), 0.0)
+    for step in range(GRID):
+        a = step / GRID
+        s = magnitude.pow(a)
+        s = s / (s.max() * s.min()).sqrt()
+        stored = torch.from_numpy(rounded((weight * s).numpy())) / s
+        error = (x @ stored.T - reference).pow(2).mean().item()
+        if error < best[0]:
+            best = (error, s.numpy().astype(np.float32), a)
+    return best[1], best[2]
