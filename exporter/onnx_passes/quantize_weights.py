@@ -238,10 +238,14 @@ class QuantizeWeights:
                 # Under HQQ: tables (and a head tied to one) quantized round-to-nearest, with
                 # integer zero points, because GatherBlockQuantized takes no float ones.
                 **({"tables_round_to_nearest": quantizer.tables_round_to_nearest} if settings.int4.method == "hqq" else {}),
-                # Under AWQ: the MatMuls fed x / s, and the 4-bit ones without a measured s (the LM
-                # head, layers outside the decoder's, weights a pass derived), round-to-nearest.
+                # Under AWQ: the MatMuls fed x / s, and the 4-bit ones without a measured s (attention
+                # output projections, the LM head, layers outside the decoder's), round-to-nearest;
+                # in the decoder, the scales searched that no MatMul took (a checkpoint name the
+                # graph's weights do not carry: each would be a layer left round-to-nearest).
                 **({"awq_scaled": quantizer.awq_scaled, "awq_unscaled": quantizer.awq_unscaled}
                    if settings.int4.method == "awq" and settings.weight_bits == 4 else {}),
+                **({"awq_scales_not_applied": len(quantizer.input_scales) - len(quantizer.scales_applied)}
+                   if session.is_decoder and settings.int4.method == "awq" and settings.weight_bits == 4 else {}),
                 # Weights stored at 8 bits in an int4 export (Int4Options.eight_bit), by role, and
                 # those kept at 4 because their 8-bit blob would pass the profile's buffer limit.
                 **{f"eight_bit_{role}": count for role, count in quantizer.eight_bit.items()},
@@ -264,6 +268,7 @@ class _Quantizer:
         self.options, self.bits, self.layers, self.max_buffer_size = options, bits, layers, max_buffer_size
         self.input_scales = input_scales or {}
         self.awq_scaled = self.awq_unscaled = 0
+        self.scales_applied: set[str] = set()
         self.over_buffer_limit = 0
         self.matmuls = self.gathers = self.shared_tables = self.experts_blocks = self.float_experts_blocks = 0
         self.tables_without_zero_points = self.tables_round_to_nearest = 0
@@ -308,6 +313,8 @@ class _Quantizer:
             if width < self.options.block_size:
                 continue
             if id(table) in quantized:
+                # A table's rows are looked up as stored: blocks of W * s would decode to wrong rows.
+                assert quantized[id(table)].input_divisor is None, "a gathered table with AWQ's scale"
                 self.shared_tables += 1
             else:
                 quantized[id(table)] = self._quantize(graph, table, True, width, rows,
@@ -435,8 +442,12 @@ class _Quantizer:
         checkpoint: by the initializer's name), else None."""
         if self.options.method != "awq" or block_format.bits != 4 or not self.input_scales:
             return None
-        scale = self.input_scales.get(_checkpoint_name(source.const_value) or source.name)
-        return scale if scale is not None and scale.shape == (k,) else None
+        name = _checkpoint_name(source.const_value) or source.name
+        scale = self.input_scales.get(name)
+        if scale is None or scale.shape != (k,):
+            return None
+        self.scales_applied.add(name)
+        return scale
 
     def _replace_matmul(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
         new_nodes, x = [], node.inputs[0]

@@ -220,9 +220,10 @@ def test_awq_package_divides_each_decoder_linear_input_by_its_measured_scale(tra
     scaled = [n for n in matmuls if n.inputs[0].producer() is not None and n.inputs[0].producer().op_type == "Div"
               and n.inputs[0].producer().name.endswith(".awq")]
     changes = package.report.onnx_pass_changes("quantize_weights")
-    assert len(scaled) == changes["awq_scaled"] > 0 and changes["awq_unscaled"] >= 1  # the head
     measured = package.report.activation_aware_scales
-    assert measured["weights"] >= changes["awq_scaled"] and measured["tokens"] > 0
+    # Every layer searched is scaled in the graph (its checkpoint name found), and only those.
+    assert len(scaled) == changes["awq_scaled"] == measured["weights"] and changes["awq_scales_not_applied"] == 0
+    assert changes["awq_unscaled"] >= 1 and measured["tokens"] > 0  # the head, at least
     assert measured["unscaled"] < measured["weights"]
     activation = ir.DataType.FLOAT16 if name.endswith("webgpu") else ir.DataType.FLOAT
     moved = False
@@ -235,6 +236,37 @@ def test_awq_package_divides_each_decoder_linear_input_by_its_measured_scale(tra
     assert moved
     lm_head = next(n for n in matmuls if n.attributes["N"].value == 512)
     assert lm_head not in scaled
+
+
+@pytest.mark.l1
+def test_awq_searches_each_decoder_linear_layer_but_the_attention_output_projections(trained):
+    """The search hooks every linear layer the decoder's layers run on the prompts (KV-shared
+    layers compute no keys or values) and skips each attention block's output projection."""
+    import types
+
+    from exporter.int4_options import Int4Options
+    from exporter.load.activation_aware_scales import measure_scales
+    from exporter.load.activation_ranges import decoder_layers
+
+    model = trained[0]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(trained[2]["int4-awq-cpu"].path)
+    loaded = types.SimpleNamespace(model=model, tokenizer=tokenizer, weights=None, multimodal=False)
+    def hooks():
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    before = hooks()
+    found = measure_scales(loaded, Int4Options(method="awq"))
+    assert hooks() == before  # all removed
+    layers = decoder_layers(model.base_model)
+    shared = model.config.num_kv_shared_layers
+    assert shared > 0
+    for index in range(len(layers)):
+        searched = {name.split(".")[-2] for name in found.scales if f".layers.{index}." in f".{name}"}
+        kv = set() if index >= len(layers) - shared else {"k_proj", "v_proj"}
+        assert {"q_proj", "gate_proj", "up_proj", "down_proj"} | kv <= searched, (index, searched)
+        assert "o_proj" not in searched
+    for s in found.scales.values():
+        assert np.isfinite(s).all() and (s > 0).all()
 
 
 def _bits(package) -> dict[str, list[int]]:
