@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from exporter import export
+from exporter import Int4Options, export
 from exporter.errors import ExporterError
 from exporter.load import activation_ranges
 from exporter.load.activation_ranges import FP16_MAX, decoder_layers, measure
@@ -114,13 +114,19 @@ def test_transformers_fp16_overflows_on_the_test_checkpoint(past_fp16, name):
 
 @pytest.mark.l4
 @pytest.mark.parametrize("name,precision", [*((name, "fp16") for name in FAMILIES), ("tiny-gemma-4", "int4"),
-                                            ("tiny-llama", "int4"), ("tiny-llama", "int8")])
+                                            ("tiny-llama", "int4"), ("tiny-llama", "int4-awq"), ("tiny-llama", "int8")])
 def test_half_precision_package_past_fp16_range_gives_fp32_tokens(past_fp16, tmp_path, name, precision):
     """webgpu fp16, int4 and int8 (fp16 activations), run by ONNX Runtime GenAI on the CPU EP:
     transformers fp32's tokens and logits within the precision's tolerance (int4, int8: its
-    distribution within the precision's bounds), finite."""
+    distribution within the precision's bounds), finite. int4-awq: AWQ's inputs divided by their
+    scales in fp16, on projections whose inputs the amplification made large."""
     folder, peak = past_fp16(name)
-    package = export(str(folder), ep="webgpu", precision=precision, output_dir=tmp_path / "pkg")
+    method = "awq" if precision == "int4-awq" else None
+    precision = precision.removesuffix("-awq")
+    int4 = Int4Options(method=method) if method else None
+    package = export(str(folder), ep="webgpu", precision=precision, int4=int4, output_dir=tmp_path / "pkg")
+    if method:
+        assert package.report.onnx_pass_changes("quantize_weights")["awq_scaled"] > 0
     ranges = package.report.activation_ranges
     # The export's calibration streams the folder's weights a layer at a time; the fixture measured
     # the whole model in memory.
