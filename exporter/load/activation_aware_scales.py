@@ -7,7 +7,7 @@ quantized, and feeds the layer ``x / s``: the product is unchanged in exact arit
 columns that meet large activations are rounded on a finer grid. AWQ's search picks ``s = m**a``
 (``m``: the mean |x| of each channel, normalized) with ``a`` on a grid in [0, 1) that minimizes
 the layer's output error on calibration tokens, the rounding done by the same round-to-nearest
-quantizer the package is written with (``exporter.onnx_passes.quantize_weights``). ``a = 0`` is
+quantizer the package is written with (``exporter.weights.block_rounding``). ``a = 0`` is
 plain round-to-nearest, so on the calibration tokens (and the rows searched: ``SEARCH_ROWS``) no
 layer is worse than without AWQ.
 

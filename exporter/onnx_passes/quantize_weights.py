@@ -28,7 +28,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import common
 
-from exporter.errors import ExporterError
+from exporter.errors import ExporterBug, ExporterError
 from exporter.int4_options import Int4Options
 from exporter.weights.block_rounding import ORT_QUANTIZER, rtn_blocks
 
@@ -177,11 +177,9 @@ class _ExpertBlocks:
 
     def part(self, name: str) -> ir.Tensor:
         if self.parts is None:
-            config = ORT_QUANTIZER.DefaultWeightOnlyQuantConfig(block_size=self.options.block_size, is_symmetric=True)
-            quantizer = ORT_QUANTIZER.DefaultWeightOnlyQuantizer(config)
             blobs, scales = [], []
-            for expert in self.weight.numpy():  # [out, in]: the quantizer takes [k = in, n = out]
-                blob, scale, _ = quantizer.qbits_block_quant(np.ascontiguousarray(expert.T))
+            for expert in self.weight.numpy():  # [out, in]
+                blob, scale, _ = rtn_blocks(expert, 4, self.options.block_size, True)
                 blobs.append(blob.reshape(expert.shape[0], -1))
                 scales.append(scale.reshape(expert.shape[0], -1))
             self.parts = {"blob": np.stack(blobs), "scales": np.stack(scales)}
@@ -227,6 +225,11 @@ class QuantizeWeights:
         quantizer = _Quantizer(settings.int4, settings.weight_bits, settings.layout.num_layers,
                                settings.profile.max_buffer_size, settings.activation_aware_scales)
         quantizer.run(model)
+        if session.is_decoder and quantizer.input_scales and not quantizer.scales_applied:
+            # The search's names and the graph's checkpoint names disagree: the export would be
+            # round-to-nearest under AWQ's name.
+            raise ExporterBug(f"AWQ searched {len(quantizer.input_scales)} linear layers and the decoder's graph "
+                              "carries none of their weights under their checkpoint names")
         if not quantizer.matmuls and not quantizer.gathers:
             raise ExporterError("weight quantization found no MatMul with a constant weight and no embedding table to quantize")
         return {"matmuls": quantizer.matmuls, "gathers": quantizer.gathers,

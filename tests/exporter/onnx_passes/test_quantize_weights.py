@@ -403,3 +403,15 @@ def test_awq_search_is_never_worse_than_round_to_nearest_on_its_tokens_and_favou
         return float(np.mean((x @ stored.T - x @ w.T) ** 2))
 
     assert error(s) < error(np.ones(128, np.float32))
+
+
+@pytest.mark.l1
+def test_awq_scales_no_decoder_weight_takes_are_an_exporter_bug():
+    """Scales searched under names the decoder's graph does not carry would leave an "awq" export
+    plain round-to-nearest: the pass fails instead of writing it."""
+    from exporter.errors import ExporterBug
+
+    settings = dataclasses.replace(_settings("int4", Int4Options(method="awq")),
+                                   activation_aware_scales={"model.layers.0.mlp.down_proj.weight": AWQ_SCALE})
+    with pytest.raises(ExporterBug, match="AWQ searched 1 linear layers"):
+        QuantizeWeights()(_model(False), settings, SESSIONS["decoder"])
