@@ -11,6 +11,12 @@ quantizer the package is written with (``exporter.weights.block_rounding``). ``a
 plain round-to-nearest, so on the calibration tokens (and the rows searched: ``SEARCH_ROWS``) no
 layer is worse than without AWQ.
 
+The linear layers that read one input (an attention block's query, key and value projections; an
+MLP's gate and up projections) share one s, searched on their outputs together, as in AWQ's own
+code: the graph then divides that input once, and where a norm's weight (or, for a down
+projection, the up projection's block scales) makes it, the quantizer folds the division into
+that weight and the package has no extra op (``exporter.onnx_passes.quantize_weights``).
+
 An attention block's linear layers are scaled only where they read the block's own input (query,
 key and value projections), not its output projection, which reads the heads' mixed values: on
 the real Gemma 3 270M, scaling it too left mean KL where it was (0.536 against round-to-nearest's
@@ -93,19 +99,34 @@ def measure_scales(loaded, options: Int4Options) -> ActivationAwareScales:
     def remember_input(module, args, kwargs):
         attention_inputs[id(module)] = args[0] if args else kwargs.get("hidden_states")
 
+    # The last prompt's inputs -> the linear layers that read each (a group), searched together
+    # when their decoder layer's forward ends.
+    groups: dict[int, tuple[torch.Tensor, list[tuple[str, torch.Tensor, list[torch.Tensor]]]]] = {}
+    queued: set[str] = set()
+
     def hook(module, args, output):
         name = f"{names[id(module)]}.weight"
-        if name in found.scales:  # a layer called twice in a forward: searched at its first call
-            return
+        if name in found.scales or name in queued:
+            return  # a layer called twice in a forward: searched at its first call
         attention = attention_of.get(id(module))
         if attention is not None and args[0] is not attention_inputs.get(id(attention)):
             return  # an attention block's output projection: not scaled (module docstring)
         rows[id(module)].append(args[0].detach().reshape(-1, module.in_features).to(torch.float32))
         if last[0]:
-            weight = module.weight.detach().to(torch.float32)
-            found.scales[name], found.exponents[name] = search(torch.cat(rows.pop(id(module))), weight, rounded)
+            # Only the rows the search rounds are kept (the layer's weights leave with its forward).
+            weight = module.weight.detach()[:: max(1, module.out_features // SEARCH_ROWS)].to(torch.float32, copy=True)
+            groups.setdefault(id(args[0]), (args[0], []))[1].append((name, weight, rows.pop(id(module))))
+            queued.add(name)
+
+    def search_groups(layer, args, output):
+        for _, members in groups.values():
+            s, exponent = search(torch.cat(members[0][2]), torch.cat([weight for _, weight, _ in members]), rounded)
+            for name, _, _ in members:
+                found.scales[name], found.exponents[name] = s, exponent
+        groups.clear()
 
     hooks = [m.register_forward_hook(hook) for m in linears]
+    hooks += [layer.register_forward_hook(search_groups) for layer in layers]
     hooks += [m.register_forward_pre_hook(remember_input, with_kwargs=True)
               for m in {id(a): a for a in attention_of.values()}.values()]
     try:
@@ -145,10 +166,10 @@ def _is_attention(module: torch.nn.Module) -> bool:
 
 def search(x: torch.Tensor, weight: torch.Tensor,
            rounded: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, float]:
-    """AWQ's grid search for one layer: x [tokens, in], weight [out, in] -> (s, its exponent a),
-    the s = m**a (normalized to geometric mean 1 over its range) whose ``rounded(weight * s)``
-    (the package's blocks, decoded), fed ``x / s``, gives outputs nearest the float layer's."""
-    weight = weight[:: max(1, weight.shape[0] // SEARCH_ROWS)]
+    """AWQ's grid search for the linear layers reading one input: x [tokens, in], weight [out, in]
+    (their rows searched, stacked) -> (s, its exponent a), the s = m**a (normalized to geometric
+    mean 1 over its range) whose ``rounded(weight * s)`` (the package's blocks, decoded), fed
+    ``x / s``, gives outputs nearest the float layers'."""
     reference = x @ weight.T
     # Channels quieter than QUIETEST of the loudest (none at all on the prompts, too) count as that
     # quiet: their factor stays within QUIETEST**-a of the others'.

@@ -34,6 +34,8 @@ from exporter.weights.block_rounding import ORT_QUANTIZER, rtn_blocks
 
 
 MICROSOFT = "com.microsoft"
+# Marks the Div by AWQ's s before a MatMulNBits (onnx_passes.fold_awq_divisions folds it away).
+AWQ_DIVISION = "exporter.awq_division"
 
 
 @dataclass(frozen=True)
@@ -241,11 +243,13 @@ class QuantizeWeights:
                 # Under HQQ: tables (and a head tied to one) quantized round-to-nearest, with
                 # integer zero points, because GatherBlockQuantized takes no float ones.
                 **({"tables_round_to_nearest": quantizer.tables_round_to_nearest} if settings.int4.method == "hqq" else {}),
-                # Under AWQ: the MatMuls fed x / s, and the 4-bit ones without a measured s (attention
+                # Under AWQ: the MatMuls fed x / s, the Divs computing it (one per input and s shared
+                # by its layers), and the 4-bit ones without a measured s (attention
                 # output projections, the LM head, layers outside the decoder's), round-to-nearest;
                 # in the decoder, the scales searched that no MatMul took (a checkpoint name the
                 # graph's weights do not carry: each would be a layer left round-to-nearest).
-                **({"awq_scaled": quantizer.awq_scaled, "awq_unscaled": quantizer.awq_unscaled}
+                **({"awq_scaled": quantizer.awq_scaled, "awq_unscaled": quantizer.awq_unscaled,
+                    "awq_divisions": quantizer.awq_divisions}
                    if settings.int4.method == "awq" and settings.weight_bits == 4 else {}),
                 **({"awq_scales_not_applied": len(quantizer.input_scales) - len(quantizer.scales_applied)}
                    if session.is_decoder and settings.int4.method == "awq" and settings.weight_bits == 4 else {}),
@@ -270,8 +274,10 @@ class _Quantizer:
                  input_scales: dict[str, np.ndarray] | None = None):
         self.options, self.bits, self.layers, self.max_buffer_size = options, bits, layers, max_buffer_size
         self.input_scales = input_scales or {}
-        self.awq_scaled = self.awq_unscaled = 0
+        self.awq_scaled = self.awq_unscaled = self.awq_divisions = 0
         self.scales_applied: set[str] = set()
+        self._divisors: dict[tuple[int, ir.DataType], ir.Value] = {}  # (id of an s, dtype) -> its initializer
+        self._divided: dict[tuple[int, int], ir.Value] = {}  # (id of an input, id of its divisor) -> x / s
         self.over_buffer_limit = 0
         self.matmuls = self.gathers = self.shared_tables = self.experts_blocks = self.float_experts_blocks = 0
         self.tables_without_zero_points = self.tables_round_to_nearest = 0
@@ -434,9 +440,13 @@ class _Quantizer:
             zero_points = initializer("zero_points", "zero_points", ir.DataType.UINT8, [n, block_format.zero_point_width(blocks)])
         divisor = None
         if scale is not None:
-            divisor = ir.Value(name=_unique(graph, f"{source.name}.awq_divisor"),
-                               const_value=ir.tensor(scale.astype(dtype.numpy())))
-            graph.register_initializer(divisor)
+            # The layers that read one input share one s (activation_aware_scales): one initializer.
+            divisor = self._divisors.get((id(scale), dtype))
+            if divisor is None:
+                divisor = ir.Value(name=_unique(graph, f"{source.name}.awq_divisor"),
+                                   const_value=ir.tensor(scale.astype(dtype.numpy())))
+                graph.register_initializer(divisor)
+                self._divisors[(id(scale), dtype)] = divisor
         return _Quantized(blob, scales, zero_points, n, k, block_format, divisor)
 
     def _awq_scale(self, source: ir.Value, k: int, block_format: BlockFormat) -> np.ndarray | None:
@@ -454,10 +464,16 @@ class _Quantizer:
 
     def _replace_matmul(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
         new_nodes, x = [], node.inputs[0]
-        if q.input_divisor is not None:
-            new_nodes.append(ir.node("Div", [x, q.input_divisor], name=f"{node.name}.awq"))
-            divided = new_nodes[-1].outputs[0]
-            divided.dtype, divided.shape, x = x.dtype, x.shape, divided
+        if q.input_divisor is not None and (key := (id(x), id(q.input_divisor))) in self._divided:
+            x = self._divided[key]  # a layer sharing its input and s with one already divided
+        elif q.input_divisor is not None:
+            division = ir.node("Div", [x, q.input_divisor], name=f"{node.name}.awq")
+            division.metadata_props[AWQ_DIVISION] = "true"
+            self.awq_divisions += 1
+            new_nodes.append(division)
+            divided = division.outputs[0]
+            divided.dtype, divided.shape = x.dtype, x.shape
+            x = self._divided[key] = divided
         inputs = [x, q.blob, q.scales] + ([q.zero_points] if q.zero_points is not None else [])
         attributes = {"K": q.k, "N": q.n, "bits": q.format.bits, "block_size": q.format.block_size}
         if self.options.accuracy_level:

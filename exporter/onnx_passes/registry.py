@@ -1,6 +1,7 @@
 """Every ONNX pass, in the order they run: the export plan keeps those whose ``applies`` says why
 (``exporter.plan``). A new pass is one module plus one line here."""
 
+from exporter.onnx_passes.fold_awq_divisions import FoldAwqDivisions
 from exporter.onnx_passes.fold_constants import FoldConstants
 from exporter.onnx_passes.fold_weight_transposes import FoldWeightTransposes
 from exporter.onnx_passes.inline_functions import InlineFunctions
@@ -33,4 +34,5 @@ ONNX_PASSES = {p.name: p for p in (
     FoldConstants(after_fusions=True, towers=True),
     ScaleResidualStream(),  # after the norm fusions, whose epsilons it rescales; before int4 reads the weights
     QuantizeWeights(),
+    FoldAwqDivisions(),  # after the quantizer, whose Divs and block scales it folds
 )}

@@ -46,7 +46,7 @@ class _Norm:
     sum_output: int | None = None  # the output holding the data's sum (a skip norm's residual)
 
 
-_NORMS = {
+NORMS = {
     "SimplifiedLayerNormalization": _Norm((0,), (1,)),
     "LayerNormalization": _Norm((0,), (1, 2)),
     "SkipSimplifiedLayerNormalization": _Norm((0, 1), (2,), (3,), 3),
@@ -97,8 +97,8 @@ def _linear_links(node: ir.Node) -> list[ir.Value]:
     op, inputs, outputs = node.op_type, list(node.inputs), list(node.outputs)
     if node.domain not in ("", "ai.onnx", "com.microsoft"):
         return []
-    if op in _NORMS:
-        norm = _NORMS[op]
+    if op in NORMS:
+        norm = NORMS[op]
         linked = [inputs[i] for i in norm.data if i < len(inputs)]
         if norm.sum_output is not None and len(outputs) > norm.sum_output:
             linked.append(outputs[norm.sum_output])
@@ -129,7 +129,7 @@ def _final_norm(graph: ir.Graph, norms: list[ir.Node]) -> ir.Node:
         node = frontier.pop(0).producer()
         if node is None or id(node) in seen:
             continue
-        if node.op_type in _NORMS:
+        if node.op_type in NORMS:
             return node
         seen.add(id(node))
         frontier += [v for v in node.inputs if v is not None]
@@ -195,7 +195,7 @@ class _Scaling:
     def _stream(self) -> set[ir.Value]:
         """The values joined by linear ops to the input of the norm the logits are computed from."""
         nodes = list(self.graph)
-        norms = [n for n in nodes if n.op_type in _NORMS]
+        norms = [n for n in nodes if n.op_type in NORMS]
         if not norms:
             raise RuntimeError("scale_residual_stream: the decoder has no norm to find its residual stream from")
         union = _Union()
@@ -231,7 +231,7 @@ class _Scaling:
                 links = _linear_links(node)
                 inputs = [v for v in node.inputs if v in links]
                 outputs = [v for v in node.outputs if v in links and v in stream]
-                if len(outputs) != 1 or node.op_type in _NORMS or not inputs:
+                if len(outputs) != 1 or node.op_type in NORMS or not inputs:
                     continue
                 if all(v in sources and len(v.uses()) == 1 and not v.is_graph_output() for v in inputs):
                     for v in inputs:
@@ -260,8 +260,8 @@ class _Scaling:
     def _scale_producer_weights(self, node: ir.Node, value: ir.Value) -> bool:
         if any(out is not value and (out.uses() or out.is_graph_output()) for out in node.outputs):
             return False
-        if node.op_type in _NORMS and value is node.outputs[0]:
-            slots = list(_NORMS[node.op_type].weights)
+        if node.op_type in NORMS and value is node.outputs[0]:
+            slots = list(NORMS[node.op_type].weights)
         elif node.op_type in ("MatMul", "Gather"):
             slots = [1 if node.op_type == "MatMul" else 0]
         elif node.op_type in ("Mul", "Div") and len(node.inputs) == 2 and _is_constant(node.inputs[1]):
@@ -286,8 +286,8 @@ class _Scaling:
 
     def _scale_constant_inputs(self, node: ir.Node, stream: set[ir.Value]) -> None:
         """A constant added into the stream (a bias, a shared zero) is scaled for this node alone."""
-        if node.op_type in _NORMS:
-            slots = _NORMS[node.op_type].input_biases
+        if node.op_type in NORMS:
+            slots = NORMS[node.op_type].input_biases
         elif node.op_type in ("Add", "Sub", "Concat", "Sum", "Where"):
             slots = range(1 if node.op_type == "Where" else 0, len(node.inputs))
         else:
@@ -303,7 +303,7 @@ class _Scaling:
         if node.op_type == "Mul" and node.name.startswith(_UNSCALE_PREFIX):
             return
         if value in _linear_links(node):
-            if node.op_type in _NORMS and id(node) not in done:
+            if node.op_type in NORMS and id(node) not in done:
                 done.add(id(node))
                 epsilon = node.attributes.get_float("epsilon", 1e-5)
                 node.attributes["epsilon"] = ir.AttrFloat32("epsilon", float(epsilon * 2.0 ** (-2 * self.exponent)))

@@ -210,38 +210,47 @@ def test_hqq_package_has_finite_float_zero_points_and_integer_ones_on_its_tables
 
 @pytest.mark.l1
 @pytest.mark.parametrize("name", ["int4-awq-cpu", "int4-awq-webgpu"])
-def test_awq_package_divides_each_decoder_linear_input_by_its_measured_scale(trained, name):
-    """Under AWQ every decoder linear layer's MatMulNBits reads its input through a Div by that
-    layer's s (finite, positive, not all 1: the search moved it), in the activation dtype; the
-    LM head (outside the layers) is plain round-to-nearest; the report says what was searched."""
+def test_awq_package_feeds_each_decoder_linear_layer_its_input_over_its_measured_scale(trained, name):
+    """Under AWQ every decoder linear layer searched is scaled in the graph (its checkpoint name
+    found); the layers reading one input share one Div, and each Div is folded into the norm or
+    up projection before it where nothing else reads its input (Gemma 4's per-layer gate reads
+    the residual stream itself: its Div stays). What is left divides by a finite, positive s that
+    the search moved, in the activation dtype; the LM head is plain round-to-nearest."""
     package = trained[2][name]
     graph = ir.load(str(package.model_path)).graph
     matmuls = [n for n in graph if n.op_type == "MatMulNBits"]
-    scaled = [n for n in matmuls if n.inputs[0].producer() is not None and n.inputs[0].producer().op_type == "Div"
-              and n.inputs[0].producer().name.endswith(".awq")]
+    divided = [n for n in matmuls if n.inputs[0].producer() is not None and n.inputs[0].producer().op_type == "Div"
+               and n.inputs[0].producer().name.endswith(".awq")]
     changes = package.report.onnx_pass_changes("quantize_weights")
+    folds = package.report.onnx_pass_changes("fold_awq_divisions")
     measured = package.report.activation_aware_scales
-    # Every layer searched is scaled in the graph (its checkpoint name found), and only those.
-    assert len(scaled) == changes["awq_scaled"] == measured["weights"] and changes["awq_scales_not_applied"] == 0
+    assert changes["awq_scaled"] == measured["weights"] and changes["awq_scales_not_applied"] == 0
     assert changes["awq_unscaled"] >= 1 and measured["tokens"] > 0  # the head, at least
     assert measured["unscaled"] < measured["weights"]
+    layers = trained[0].config.num_hidden_layers
+    assert changes["awq_divisions"] < changes["awq_scaled"]  # shared by the layers reading one input
+    assert folds["into_norms"] >= layers and folds["into_up_projections"] == layers
+    assert folds["into_norms"] + folds["into_up_projections"] + folds["divisions_left"] == changes["awq_divisions"]
+    divisions = {n.inputs[0].producer() for n in divided}
+    assert len(divisions) == folds["divisions_left"] and divisions
     activation = ir.DataType.FLOAT16 if name.endswith("webgpu") else ir.DataType.FLOAT
     moved = False
-    for node in scaled:
-        divisor = node.inputs[0].producer().inputs[1]
+    for division in divisions:
+        divisor = division.inputs[1]
         s = divisor.const_value.numpy().astype(np.float64)
-        assert divisor.dtype == activation and s.shape == (node.attributes["K"].value,)
+        assert divisor.dtype == activation and s.shape == (division.inputs[0].shape[-1],)
         assert np.isfinite(s).all() and (s > 0).all()
         moved |= bool(np.abs(s - 1).max() > 1e-3)
     assert moved
     lm_head = next(n for n in matmuls if n.attributes["N"].value == 512)
-    assert lm_head not in scaled
+    assert lm_head not in divided
 
 
 @pytest.mark.l1
 def test_awq_searches_each_decoder_linear_layer_but_the_attention_output_projections(trained):
     """The search hooks every linear layer the decoder's layers run on the prompts (KV-shared
-    layers compute no keys or values) and skips each attention block's output projection."""
+    layers compute no keys or values) and skips each attention block's output projection; the
+    query, key and value projections share one s, and the gate and up projections another."""
     import types
 
     from exporter.int4_options import Int4Options
@@ -265,6 +274,12 @@ def test_awq_searches_each_decoder_linear_layer_but_the_attention_output_project
         kv = set() if index >= len(layers) - shared else {"k_proj", "v_proj"}
         assert {"q_proj", "gate_proj", "up_proj", "down_proj"} | kv <= searched, (index, searched)
         assert "o_proj" not in searched
+        # The layers reading one input share one s (one Div, or one folded weight, in the graph).
+        def scale(module, index=index):
+            return next(s for n, s in found.scales.items() if f".layers.{index}." in f".{n}" and f".{module}." in n)
+        assert scale("gate_proj") is scale("up_proj") and scale("down_proj") is not scale("up_proj")
+        for projection in kv:
+            assert scale(projection) is scale("q_proj")
     for s in found.scales.values():
         assert np.isfinite(s).all() and (s > 0).all()
 

@@ -355,7 +355,7 @@ def test_awq_stores_the_weight_times_its_scale_and_divides_the_input_by_it(trans
                                    activation_aware_scales={name: AWQ_SCALE})
     model = _model(transposed)
     changes = QuantizeWeights()(model, settings, SESSIONS["decoder"])
-    assert {k: v for k, v in changes.items() if v} == {"matmuls": 1, "gathers": 1, "awq_scaled": 1}
+    assert {k: v for k, v in changes.items() if v} == {"matmuls": 1, "gathers": 1, "awq_scaled": 1, "awq_divisions": 1}
     assert "4-bit weights (awq)" in QuantizeWeights().applies(settings, SESSIONS["decoder"])
     matmul = next(node for node in model.graph if node.op_type == "MatMulNBits")
     divide = matmul.inputs[0].producer()
