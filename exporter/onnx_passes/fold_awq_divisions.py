@@ -10,7 +10,10 @@ itself, and the Div goes:
 - ``x`` is ``a * u``, ``u`` the output of a ``MatMulNBits`` read by nothing else (an MLP's
   ``act(gate) * up`` before its down projection): that MatMulNBits' block scales, one per output
   row and block, divided by s of the row. Its integers and zero points are unchanged, so the up
-  projection stores exactly the same numbers up to the scales' own rounding.
+  projection stores exactly the same numbers up to the scales' own rounding. Only float32
+  scales: fp16 ones could fall under fp16's normal range.
+
+A folded norm weight must stay finite and normal in its dtype, or the Div stays.
 
 Any other Div stays (the report counts both).
 """
@@ -68,8 +71,11 @@ def _fold_into_norm(graph: ir.Graph, norm: ir.Node, x: ir.Value, s: np.ndarray) 
     weights = [norm.inputs[i] for i in slots]
     if not all(w.const_value is not None and tuple(w.shape) == s.shape for w in weights):
         return False
-    for slot, weight in zip(slots, weights):
-        norm.replace_input_with(slot, _initializer(graph, f"{weight.name}.awq", _divided(weight, s)))
+    divided = [_divided(weight, s) for weight in weights]
+    if not all(_representable(tensor.numpy()) for tensor in divided):
+        return False
+    for slot, weight, tensor in zip(slots, weights, divided):
+        norm.replace_input_with(slot, _initializer(graph, f"{weight.name}.awq", tensor))
     return True
 
 
@@ -86,12 +92,23 @@ def _fold_into_up_projection(graph: ir.Graph, product: ir.Node, s: np.ndarray) -
         scales = matmul.inputs[2]
         if scales.const_value is None or len(scales.uses()) != 1 or scales.shape[0] != s.shape[0]:
             continue
+        if scales.dtype != ir.DataType.FLOAT:
+            # fp16 scales divided by s up to ~80 could fall below fp16's normal range (6.1e-5) and
+            # lose bits; they are only known when the package is written, so the Div stays.
+            return False
         tensor, dtype = scales.const_value, scales.dtype
         rows = ir.LazyTensor(lambda: ir.tensor((tensor.numpy().astype(np.float32) / s[:, None]).astype(dtype.numpy())),
                              dtype=dtype, shape=scales.shape)
         matmul.replace_input_with(2, _initializer(graph, f"{scales.name}.awq", rows))
         return True
     return False
+
+
+def _representable(values: np.ndarray) -> bool:
+    """Finite, and no nonzero value under the dtype's normal range (where it would lose bits)."""
+    tiny = np.finfo(values.dtype).tiny
+    magnitude = np.abs(values.astype(np.float32))
+    return bool(np.isfinite(magnitude).all() and not ((magnitude > 0) & (magnitude < tiny)).any())
 
 
 def _divided(weight: ir.Value, s: np.ndarray) -> ir.Tensor:

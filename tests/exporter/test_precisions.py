@@ -229,7 +229,9 @@ def test_awq_package_feeds_each_decoder_linear_layer_its_input_over_its_measured
     assert measured["unscaled"] < measured["weights"]
     layers = trained[0].config.num_hidden_layers
     assert changes["awq_divisions"] < changes["awq_scaled"]  # shared by the layers reading one input
-    assert folds["into_norms"] >= layers and folds["into_up_projections"] == layers
+    # fp16 block scales are not divided (they could leave fp16's normal range): webgpu keeps the
+    # down projections' Divs.
+    assert folds["into_norms"] >= layers and folds["into_up_projections"] == (0 if name.endswith("webgpu") else layers)
     assert folds["into_norms"] + folds["into_up_projections"] + folds["divisions_left"] == changes["awq_divisions"]
     divisions = {n.inputs[0].producer() for n in divided}
     assert len(divisions) == folds["divisions_left"] and divisions

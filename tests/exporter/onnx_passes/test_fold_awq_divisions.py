@@ -56,7 +56,7 @@ QK_SCALE, MLP_SCALE, DOWN_SCALE = _spread(K), _spread(K), _spread(HIDDEN)
 SCALES = {"wq": QK_SCALE, "wk": QK_SCALE, "wg": MLP_SCALE, "wu": MLP_SCALE, "wd": DOWN_SCALE}
 
 
-def _model(norm_output_read_elsewhere: bool = False) -> ir.Model:
+def _model(norm_output_read_elsewhere: bool = False, dtype=np.float32) -> ir.Model:
     nodes = [
         h.make_node("SimplifiedLayerNormalization", ["x", "attention_norm"], ["attention_in"], axis=-1,
                     epsilon=1e-6, name="attention_norm"),
@@ -71,15 +71,16 @@ def _model(norm_output_read_elsewhere: bool = False) -> ir.Model:
         h.make_node("Mul", ["gate_silu", "up"], ["product"], name="product"),
         h.make_node("MatMul", ["product", "wd"], ["down"], name="down_proj"),
     ]
-    outputs = [h.make_tensor_value_info("q", TensorProto.FLOAT, [ROWS, K]),
-               h.make_tensor_value_info("k", TensorProto.FLOAT, [ROWS, 32]),
-               h.make_tensor_value_info("down", TensorProto.FLOAT, [ROWS, K])]
+    element = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    outputs = [h.make_tensor_value_info("q", element, [ROWS, K]),
+               h.make_tensor_value_info("k", element, [ROWS, 32]),
+               h.make_tensor_value_info("down", element, [ROWS, K])]
     if norm_output_read_elsewhere:
-        outputs.append(h.make_tensor_value_info("attention_in", TensorProto.FLOAT, [ROWS, K]))
-    initializers = [nh.from_array(v, n) for n, v in {**WEIGHTS, **NORM_WEIGHTS}.items()]
-    typed = [h.make_tensor_value_info(name, TensorProto.FLOAT, [ROWS, width])
+        outputs.append(h.make_tensor_value_info("attention_in", element, [ROWS, K]))
+    initializers = [nh.from_array(v.astype(dtype), n) for n, v in {**WEIGHTS, **NORM_WEIGHTS}.items()]
+    typed = [h.make_tensor_value_info(name, element, [ROWS, width])
              for name, width in (("attention_in", K), ("mlp_in", K), ("product", HIDDEN))]
-    graph = h.make_graph(nodes, "layer", [h.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, K])], outputs,
+    graph = h.make_graph(nodes, "layer", [h.make_tensor_value_info("x", element, [ROWS, K])], outputs,
                          initializers, value_info=[] if norm_output_read_elsewhere else typed[:1])
     graph.value_info.extend(typed[1:])
     return ir.from_proto(h.make_model(graph, opset_imports=ONNX_OPSETS))
@@ -142,3 +143,27 @@ def test_it_runs_only_on_awq_int4_sessions():
     assert FoldAwqDivisions().applies(_settings("int4"), SESSIONS["decoder"]) is None
     assert FoldAwqDivisions().applies(_settings("int8"), SESSIONS["decoder"]) is None
     assert FoldAwqDivisions().applies(_settings("fp32"), SESSIONS["decoder"]) is None
+
+
+@pytest.mark.l1
+def test_fp16_folds_only_what_stays_in_fp16s_normal_range():
+    """At fp16 activations the up projection's block scales are fp16, and divided by s they could
+    fall under fp16's normal range (the values are only known when the package is written): the
+    down projection's Div stays. A norm weight whose division by s leaves fp16's normal range keeps
+    its Div too."""
+    settings = _awq_settings()
+    model = _model(dtype=np.float16)
+    loudest = int(np.argmax(QK_SCALE))  # s = 4 there: 1e-4 / 4 is under fp16's 6.1e-5
+    attention_norm = model.graph.initializers["attention_norm"]
+    weight = attention_norm.const_value.numpy().copy()
+    weight[loudest] = 1e-4
+    attention_norm.const_value = ir.tensor(weight)
+    QuantizeWeights()(model, settings, SESSIONS["decoder"])
+    counts = FoldAwqDivisions()(model, settings, SESSIONS["decoder"])
+    assert counts == {"into_norms": 1, "into_up_projections": 0, "divisions_left": 2}
+    left = {node.inputs[0].name for node in model.graph if node.op_type == "Div"}
+    assert left == {"attention_in", "product"}
+    mlp_norm = next(node for node in model.graph if node.name == "mlp_norm").inputs[1]
+    assert mlp_norm.dtype == ir.DataType.FLOAT16
+    np.testing.assert_allclose(mlp_norm.const_value.numpy().astype(np.float32),
+                               NORM_WEIGHTS["mlp_norm"] / MLP_SCALE, rtol=2.0**-10)
