@@ -39,8 +39,9 @@ class Int4Options:
     activation-aware scaling (AWQ): each decoder linear layer stores ``W * s`` round-to-nearest and
     is fed ``x / s``, with s per input channel searched at export time on the decoder's float32
     activations over a few built-in prompts (``exporter.load.activation_aware_scales``); integer
-    zero points, so it runs on the kernels round-to-nearest runs on, with a Div before each scaled
-    MatMul.
+    zero points, so it runs on the kernels round-to-nearest runs on; the layers reading one input
+    share one s, and its division is folded into the norm (or up projection) before them where
+    nothing else reads that input (``exporter.onnx_passes.fold_awq_divisions``), else a Div.
     eight_bit: the roles (``EIGHT_BIT_ROLES``) stored as 8-bit blocks, round-to-nearest with the
     same block size and symmetry (8 bits leave little for a better search to win). Layers' value
     and down projections are found by their checkpoint names (``layers.N. ... v_proj`` /

@@ -8,14 +8,14 @@ columns that meet large activations are rounded on a finer grid. AWQ's search pi
 (``m``: the mean |x| of each channel, normalized) with ``a`` on a grid in [0, 1) that minimizes
 the layer's output error on calibration tokens, the rounding done by the same round-to-nearest
 quantizer the package is written with (``exporter.weights.block_rounding``). ``a = 0`` is
-plain round-to-nearest, so on the calibration tokens (and the rows searched: ``SEARCH_ROWS``) no
-layer is worse than without AWQ.
+plain round-to-nearest, so on the calibration tokens (and the rows searched: ``SEARCH_ROWS`` per
+layer) no group of layers sharing an s (below) is worse than without AWQ, taken together.
 
 The linear layers that read one input (an attention block's query, key and value projections; an
 MLP's gate and up projections) share one s, searched on their outputs together, as in AWQ's own
 code: the graph then divides that input once, and where a norm's weight (or, for a down
-projection, the up projection's block scales) makes it, the quantizer folds the division into
-that weight and the package has no extra op (``exporter.onnx_passes.quantize_weights``).
+projection, the up projection's block scales) makes it, the division is folded into that weight
+and the package has no extra op (``exporter.onnx_passes.fold_awq_divisions``).
 
 An attention block's linear layers are scaled only where they read the block's own input (query,
 key and value projections), not its output projection, which reads the heads' mixed values: on
@@ -24,8 +24,9 @@ the real Gemma 3 270M, scaling it too left mean KL where it was (0.536 against r
 code scales it only through the value projection, and not under grouped-query attention.
 
 The tokens are ``activation_ranges.CALIBRATION_PROMPTS`` run through the decoder in float32, one
-decoder layer's weights in memory at a time, as for the fp16 range (``activation_ranges``); each
-linear layer's search runs in its last prompt's forward, while its weights are loaded.
+decoder layer's weights in memory at a time, as for the fp16 range (``activation_ranges``). In the
+last prompt's forward each linear layer keeps the rows of its weight the search rounds, and its
+group is searched when its decoder layer's forward ends.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def measure_scales(loaded, options: Int4Options) -> ActivationAwareScales:
 
     # The last prompt's inputs -> the linear layers that read each (a group), searched together
     # when their decoder layer's forward ends.
-    groups: dict[int, tuple[torch.Tensor, list[tuple[str, torch.Tensor, list[torch.Tensor]]]]] = {}
+    # Each member: (checkpoint name, its weight's rows searched, their stride, its input rows).
+    groups: dict[int, tuple[torch.Tensor, list[tuple[str, torch.Tensor, int, list[torch.Tensor]]]]] = {}
     queued: set[str] = set()
 
     def hook(module, args, output):
@@ -114,14 +116,18 @@ def measure_scales(loaded, options: Int4Options) -> ActivationAwareScales:
         rows[id(module)].append(args[0].detach().reshape(-1, module.in_features).to(torch.float32))
         if last[0]:
             # Only the rows the search rounds are kept (the layer's weights leave with its forward).
-            weight = module.weight.detach()[:: max(1, module.out_features // SEARCH_ROWS)].to(torch.float32, copy=True)
-            groups.setdefault(id(args[0]), (args[0], []))[1].append((name, weight, rows.pop(id(module))))
+            stride = max(1, module.out_features // SEARCH_ROWS)
+            weight = module.weight.detach()[::stride].to(torch.float32, copy=True)
+            groups.setdefault(id(args[0]), (args[0], []))[1].append((name, weight, stride, rows.pop(id(module))))
             queued.add(name)
 
-    def search_groups(layer, args, output):
+    def search_groups(*_):
         for _, members in groups.values():
-            s, exponent = search(torch.cat(members[0][2]), torch.cat([weight for _, weight, _ in members]), rounded)
-            for name, _, _ in members:
+            # Each row stands for ``stride`` rows of its layer: the group's error is its outputs'.
+            row_weights = torch.cat([torch.full((weight.shape[0],), float(stride)) for _, weight, stride, _ in members])
+            s, exponent = search(torch.cat(members[0][3]), torch.cat([weight for _, weight, _, _ in members]), rounded,
+                                 row_weights)
+            for name, _, _, _ in members:
                 found.scales[name], found.exponents[name] = s, exponent
         groups.clear()
 
@@ -138,6 +144,7 @@ def measure_scales(loaded, options: Int4Options) -> ActivationAwareScales:
                 ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
                 found.tokens += ids.shape[-1]
                 base(input_ids=ids, use_cache=False)
+        search_groups()  # layers a decoder layer's own forward did not run (none in transformers' models)
     except ExporterError:
         raise
     except Exception as error:
@@ -164,12 +171,15 @@ def _is_attention(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("Attention")
 
 
-def search(x: torch.Tensor, weight: torch.Tensor,
-           rounded: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, float]:
+def search(x: torch.Tensor, weight: torch.Tensor, rounded: Callable[[np.ndarray], np.ndarray],
+           row_weights: torch.Tensor | None = None) -> tuple[np.ndarray, float]:
     """AWQ's grid search for the linear layers reading one input: x [tokens, in], weight [out, in]
-    (their rows searched, stacked) -> (s, its exponent a), the s = m**a (normalized to geometric
-    mean 1 over its range) whose ``rounded(weight * s)`` (the package's blocks, decoded), fed
-    ``x / s``, gives outputs nearest the float layers'."""
+    (their rows searched, stacked; ``row_weights``: how many output rows each stands for) -> (s,
+    its exponent a), the s = m**a (normalized to geometric mean 1 over its range) whose
+    ``rounded(weight * s)`` (the package's blocks, decoded), fed ``x / s``, gives outputs nearest
+    the float layers'."""
+    if row_weights is None:
+        row_weights = torch.ones(weight.shape[0])
     reference = x @ weight.T
     # Channels quieter than QUIETEST of the loudest (none at all on the prompts, too) count as that
     # quiet: their factor stays within QUIETEST**-a of the others'.
@@ -188,7 +198,7 @@ def search(x: torch.Tensor, weight: torch.Tensor,
         if a and (peaks / s).max() > peaks.max():
             continue
         stored = torch.from_numpy(rounded((weight * s).numpy())) / s
-        error = (x @ stored.T - reference).pow(2).mean().item()
+        error = ((x @ stored.T - reference).pow(2) * row_weights).mean().item()
         if error < best[0]:
             best = (error, s.numpy().astype(np.float32), a)
     if not np.isfinite(best[1]).all() or not (best[1] > 0).all():

@@ -24,6 +24,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import common
 
+from exporter.onnx_passes.base import run_in_place
 from exporter.onnx_passes.quantize_weights import AWQ_DIVISION, MICROSOFT
 from exporter.onnx_passes.scale_residual_stream import NORMS
 
@@ -45,8 +46,9 @@ class FoldAwqDivisions:
             x, divisor = node.inputs
             s = divisor.const_value.numpy().astype(np.float32)
             made_by = x.producer()
-            if made_by is None or x.is_graph_output() or len(x.uses()) != 1:
+            if made_by is None or x.is_graph_output() or len(x.uses()) != 1 or not _positive(s):
                 counts["divisions_left"] += 1
+                del node.metadata_props[AWQ_DIVISION]
                 continue
             if _fold_into_norm(graph, made_by, x, s):
                 counts["into_norms"] += 1
@@ -54,11 +56,12 @@ class FoldAwqDivisions:
                 counts["into_up_projections"] += 1
             else:
                 counts["divisions_left"] += 1
+                del node.metadata_props[AWQ_DIVISION]
                 continue
             # x now holds x / s: what read the Div reads x.
             ir.convenience.replace_all_uses_with(node.outputs[0], x)
             graph.remove(node, safe=True)
-        common.RemoveUnusedNodesPass()(model)  # the divisors no Div reads any more
+        run_in_place(common.RemoveUnusedNodesPass(), model)  # the divisors no Div reads any more
         return counts
 
 
@@ -69,7 +72,7 @@ def _fold_into_norm(graph: ir.Graph, norm: ir.Node, x: ir.Value, s: np.ndarray) 
         return False
     slots = [i for i in NORMS[norm.op_type].weights if i < len(norm.inputs) and norm.inputs[i] is not None]
     weights = [norm.inputs[i] for i in slots]
-    if not all(w.const_value is not None and tuple(w.shape) == s.shape for w in weights):
+    if not slots or not all(w.const_value is not None and w.const_value.shape == s.shape for w in weights):
         return False
     divided = [_divided(weight, s) for weight in weights]
     if not all(_representable(tensor.numpy()) for tensor in divided):
@@ -87,7 +90,7 @@ def _fold_into_up_projection(graph: ir.Graph, product: ir.Node, s: np.ndarray) -
     for u in product.inputs:
         matmul = u.producer() if u is not None else None
         if (matmul is None or matmul.op_type != "MatMulNBits" or matmul.domain != MICROSOFT
-                or len(u.uses()) != 1 or matmul.attributes["N"].value != s.shape[0]):
+                or len(u.uses()) != 1 or u.is_graph_output() or matmul.attributes["N"].value != s.shape[0]):
             continue
         scales = matmul.inputs[2]
         if scales.const_value is None or len(scales.uses()) != 1 or scales.shape[0] != s.shape[0]:
@@ -102,6 +105,10 @@ def _fold_into_up_projection(graph: ir.Graph, product: ir.Node, s: np.ndarray) -
         matmul.replace_input_with(2, _initializer(graph, f"{scales.name}.awq", rows))
         return True
     return False
+
+
+def _positive(s: np.ndarray) -> bool:
+    return bool(np.isfinite(s).all() and (s > 0).all())
 
 
 def _representable(values: np.ndarray) -> bool:

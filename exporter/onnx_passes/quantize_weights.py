@@ -450,10 +450,11 @@ class _Quantizer:
         return _Quantized(blob, scales, zero_points, n, k, block_format, divisor)
 
     def _awq_scale(self, source: ir.Value, k: int, block_format: BlockFormat) -> np.ndarray | None:
-        """AWQ's measured s [k] for a 4-bit MatMul weight read from a decoder linear layer's
-        checkpoint tensor (``exporter.load.activation_aware_scales``; a graph not read from a
-        checkpoint: by the initializer's name), else None."""
-        if self.options.method != "awq" or block_format.bits != 4 or not self.input_scales:
+        """AWQ's measured s [k] for a MatMul weight of an int4 package read from a decoder linear
+        layer's checkpoint tensor (``exporter.load.activation_aware_scales``; a graph not read from
+        a checkpoint: by the initializer's name), else None. An 8-bit role takes its group's s too
+        (W * s at 8 bits, fed x / s, loses nothing to it), so the group's input is divided once."""
+        if self.options.method != "awq" or self.bits != 4 or not self.input_scales:
             return None
         name = _checkpoint_name(source.const_value) or source.name
         scale = self.input_scales.get(name)
@@ -464,7 +465,8 @@ class _Quantizer:
 
     def _replace_matmul(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
         new_nodes, x = [], node.inputs[0]
-        if q.input_divisor is not None and (key := (id(x), id(q.input_divisor))) in self._divided:
+        key = (id(x), id(q.input_divisor))
+        if q.input_divisor is not None and key in self._divided:
             x = self._divided[key]  # a layer sharing its input and s with one already divided
         elif q.input_divisor is not None:
             division = ir.node("Div", [x, q.input_divisor], name=f"{node.name}.awq")

@@ -56,7 +56,7 @@ QK_SCALE, MLP_SCALE, DOWN_SCALE = _spread(K), _spread(K), _spread(HIDDEN)
 SCALES = {"wq": QK_SCALE, "wk": QK_SCALE, "wg": MLP_SCALE, "wu": MLP_SCALE, "wd": DOWN_SCALE}
 
 
-def _model(norm_output_read_elsewhere: bool = False, dtype=np.float32) -> ir.Model:
+def _model(norm_output_read_elsewhere: bool = False, dtype=np.float32, up_read_elsewhere: bool = False) -> ir.Model:
     nodes = [
         h.make_node("SimplifiedLayerNormalization", ["x", "attention_norm"], ["attention_in"], axis=-1,
                     epsilon=1e-6, name="attention_norm"),
@@ -77,6 +77,8 @@ def _model(norm_output_read_elsewhere: bool = False, dtype=np.float32) -> ir.Mod
                h.make_tensor_value_info("down", element, [ROWS, K])]
     if norm_output_read_elsewhere:
         outputs.append(h.make_tensor_value_info("attention_in", element, [ROWS, K]))
+    if up_read_elsewhere:
+        outputs.append(h.make_tensor_value_info("up", element, [ROWS, HIDDEN]))
     initializers = [nh.from_array(v.astype(dtype), n) for n, v in {**WEIGHTS, **NORM_WEIGHTS}.items()]
     typed = [h.make_tensor_value_info(name, element, [ROWS, width])
              for name, width in (("attention_in", K), ("mlp_in", K), ("product", HIDDEN))]
@@ -134,7 +136,22 @@ def test_a_norm_output_something_else_reads_keeps_its_division():
     assert counts == {"into_norms": 1, "into_up_projections": 1, "divisions_left": 1}
     divisions = [node for node in model.graph if node.op_type == "Div"]
     assert len(divisions) == 1 and divisions[0].inputs[0].name == "attention_in"
-    np.testing.assert_array_equal(_run(model)["attention_in"][0], _run(_model(True))["attention_in"][0])
+    np.testing.assert_array_equal(_run(model)["attention_in"], _run(_model(True))["attention_in"])
+
+
+@pytest.mark.l1
+def test_an_up_projection_output_something_else_reads_keeps_the_down_projections_division():
+    """The up projection's output is also a graph output: dividing its block scales would change
+    it, so the down projection's Div stays and ``up`` is what the unfolded graph gives."""
+    settings = _awq_settings()
+    model = _model(up_read_elsewhere=True)
+    QuantizeWeights()(model, settings, SESSIONS["decoder"])
+    unfolded = _run(model)
+    counts = FoldAwqDivisions()(model, settings, SESSIONS["decoder"])
+    assert counts == {"into_norms": 2, "into_up_projections": 0, "divisions_left": 1}
+    assert [node.inputs[0].name for node in model.graph if node.op_type == "Div"] == ["product"]
+    got = _run(model)
+    np.testing.assert_allclose(got["up"], unfolded["up"], rtol=0, atol=1e-5 * np.abs(unfolded["up"]).max())
 
 
 @pytest.mark.l1
