@@ -184,3 +184,40 @@ def test_fp16_folds_only_what_stays_in_fp16s_normal_range():
     assert mlp_norm.dtype == ir.DataType.FLOAT16
     np.testing.assert_allclose(mlp_norm.const_value.numpy().astype(np.float32),
                                NORM_WEIGHTS["mlp_norm"] / MLP_SCALE, rtol=2.0**-10)
+
+
+@pytest.mark.l3
+def test_a_layer_norms_scale_and_bias_and_a_skip_norm_fold_and_the_skip_sum_is_unchanged():
+    """A LayerNormalization (scale and bias, both divided by s) before the query and key
+    projections; a SkipSimplifiedLayerNormalization before the gate and up projections, whose
+    residual sum output (a graph output) the fold must not touch."""
+    bias = (_RNG.standard_normal(K) * 2).astype(np.float32)
+    nodes = [
+        h.make_node("LayerNormalization", ["x", "attention_norm", "attention_bias"], ["attention_in"], axis=-1,
+                    epsilon=1e-5, name="attention_norm"),
+        h.make_node("MatMul", ["attention_in", "wq"], ["q"], name="q_proj"),
+        h.make_node("MatMul", ["attention_in", "wk"], ["k"], name="k_proj"),
+        h.make_node("Add", ["q", "q"], ["skip"], name="skip"),
+        h.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "mlp_norm"], ["mlp_in", "", "", "residual"],
+                    domain="com.microsoft", epsilon=1e-6, name="mlp_norm"),
+        h.make_node("MatMul", ["mlp_in", "wg"], ["gate"], name="gate_proj"),
+        h.make_node("MatMul", ["mlp_in", "wu"], ["up"], name="up_proj"),
+    ]
+    initializers = [nh.from_array(v, n) for n, v in {**WEIGHTS, **NORM_WEIGHTS, "attention_bias": bias}.items()
+                    if n != "wd"]
+    typed = [h.make_tensor_value_info(name, TensorProto.FLOAT, [ROWS, K]) for name in ("attention_in", "mlp_in")]
+    graph = h.make_graph(nodes, "norms", [h.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, K])],
+                         [h.make_tensor_value_info(name, TensorProto.FLOAT, [ROWS, width])
+                          for name, width in (("k", 32), ("residual", K), ("gate", HIDDEN), ("up", HIDDEN))],
+                         initializers, value_info=typed)
+    model = ir.from_proto(h.make_model(graph, opset_imports=ONNX_OPSETS))
+    settings = _awq_settings()
+    QuantizeWeights()(model, settings, SESSIONS["decoder"])
+    expected = _run(model)
+    counts = FoldAwqDivisions()(model, settings, SESSIONS["decoder"])
+    assert counts == {"into_norms": 2, "into_up_projections": 0, "divisions_left": 0}
+    got = _run(model)
+    for name, values in expected.items():
+        np.testing.assert_allclose(got[name], values, rtol=0, atol=1e-5 * np.abs(values).max(), err_msg=name)
+    norm = next(node for node in model.graph if node.op_type == "LayerNormalization")
+    np.testing.assert_allclose(norm.inputs[2].const_value.numpy(), bias / QK_SCALE, rtol=1e-7)
