@@ -8,14 +8,16 @@ columns that meet large activations are rounded on a finer grid. AWQ's search pi
 (``m``: the mean |x| of each channel, normalized) with ``a`` on a grid in [0, 1) that minimizes
 the layer's output error on calibration tokens, the rounding done by the same round-to-nearest
 quantizer the package is written with (``exporter.weights.block_rounding``). ``a = 0`` is
-plain round-to-nearest, so on the calibration tokens (and the rows searched: ``SEARCH_ROWS`` per
-layer) no group of layers sharing an s (below) is worse than without AWQ, taken together.
+plain round-to-nearest, so on the calibration tokens (and the rows searched: every
+``out // SEARCH_ROWS``-th of a layer's) no group of layers sharing an s (below) is worse than
+without AWQ, taken together.
 
 The linear layers that read one input (an attention block's query, key and value projections; an
 MLP's gate and up projections) share one s, as in AWQ's own code, searched on their rows stacked
-(AWQ's own measures the attention block's output instead): the graph then divides that input once, and where a norm's weight (or, for a down
-projection, the up projection's block scales) makes it, the division is folded into that weight
-and the package has no extra op (``exporter.onnx_passes.fold_awq_divisions``).
+(AWQ's own code measures the error at the attention block's or MLP's output instead): the graph
+then divides that input once, and where a norm's weight (or, for a down projection, the up
+projection's block scales) makes it, the division is folded into that weight and the package has
+no extra op (``exporter.onnx_passes.fold_awq_divisions``).
 
 An attention block's linear layers are scaled only where they read the block's own input (query,
 key and value projections), not its output projection, which reads the heads' mixed values: on

@@ -22,6 +22,7 @@ the checkpoint tensor their initializer reads (``exporter.weights.origins.made_f
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -227,7 +228,7 @@ class QuantizeWeights:
         quantizer = _Quantizer(settings.int4, settings.weight_bits, settings.layout.num_layers,
                                settings.profile.max_buffer_size, settings.activation_aware_scales)
         quantizer.run(model)
-        if session.is_decoder and quantizer.input_scales and not quantizer.scales_applied:
+        if session.is_decoder and quantizer.input_scales and not quantizer.scales_found:
             # The search's names and the graph's checkpoint names disagree: the export would be
             # round-to-nearest under AWQ's name.
             raise ExporterBug(f"AWQ searched {len(quantizer.input_scales)} linear layers and the decoder's graph "
@@ -251,7 +252,7 @@ class QuantizeWeights:
                 **({"awq_scaled": quantizer.awq_scaled, "awq_unscaled": quantizer.awq_unscaled,
                     "awq_divisions": quantizer.awq_divisions}
                    if settings.int4.method == "awq" and settings.weight_bits == 4 else {}),
-                **({"awq_scales_not_applied": len(quantizer.input_scales) - len(quantizer.scales_applied)}
+                **({"awq_scales_not_applied": len(quantizer.input_scales) - len(quantizer.scales_found)}
                    if session.is_decoder and settings.int4.method == "awq" and settings.weight_bits == 4 else {}),
                 # Weights stored at 8 bits in an int4 export (Int4Options.eight_bit), by role, and
                 # those kept at 4 because their 8-bit blob would pass the profile's buffer limit.
@@ -275,7 +276,8 @@ class _Quantizer:
         self.options, self.bits, self.layers, self.max_buffer_size = options, bits, layers, max_buffer_size
         self.input_scales = input_scales or {}
         self.awq_scaled = self.awq_unscaled = self.awq_divisions = 0
-        self.scales_applied: set[str] = set()
+        self.scales_found: set[str] = set()  # the searched layers the graph carries
+        self._sharing = Counter(id(scale) for scale in self.input_scales.values())  # id of an s -> its layers
         self._divisors: dict[tuple[int, ir.DataType], ir.Value] = {}  # (id of an s, dtype) -> its initializer
         self._divided: dict[tuple[int, int], ir.Value] = {}  # (id of an input, id of its divisor) -> x / s
         self.over_buffer_limit = 0
@@ -452,15 +454,18 @@ class _Quantizer:
     def _awq_scale(self, source: ir.Value, k: int, block_format: BlockFormat) -> np.ndarray | None:
         """AWQ's measured s [k] for a MatMul weight of an int4 package read from a decoder linear
         layer's checkpoint tensor (``exporter.load.activation_aware_scales``; a graph not read from
-        a checkpoint: by the initializer's name), else None. An 8-bit role takes its group's s too
-        (W * s at 8 bits, fed x / s, loses nothing to it), so the group's input is divided once."""
+        a checkpoint: by the initializer's name), else None. An 8-bit role sharing its s with other
+        layers (a value projection) takes it too, stored ``W * s`` at 8 bits, so the group's input is
+        divided once; one alone in its group (a down projection) stays unscaled."""
         if self.options.method != "awq" or self.bits != 4 or not self.input_scales:
             return None
         name = _checkpoint_name(source.const_value) or source.name
         scale = self.input_scales.get(name)
         if scale is None or scale.shape != (k,):
             return None
-        self.scales_applied.add(name)
+        self.scales_found.add(name)
+        if block_format.bits != 4 and self._sharing[id(scale)] < 2:
+            return None
         return scale
 
     def _replace_matmul(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:

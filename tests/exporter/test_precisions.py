@@ -229,9 +229,10 @@ def test_awq_package_feeds_each_decoder_linear_layer_its_input_over_its_measured
     assert measured["unscaled"] < measured["weights"]
     layers = trained[0].config.num_hidden_layers
     assert changes["awq_divisions"] < changes["awq_scaled"]  # shared by the layers reading one input
-    # Both norms of each layer take their s (on webgpu one norm's output also feeds the last-token
-    # gather's Where, so its Div stays); fp16 block scales are not divided (they could leave fp16's normal
-    # range): webgpu keeps the down projections' Divs.
+    # Both norms of each layer take their s (on webgpu the last layer's attention norm output also
+    # feeds the last-token gather, so its Div stays, and the gathered rows get their own); fp16
+    # block scales are not divided (they could leave fp16's normal range): webgpu keeps the down
+    # projections' Divs.
     webgpu = name.endswith("webgpu")
     assert folds["into_norms"] == 2 * layers - webgpu and folds["into_up_projections"] == (0 if webgpu else layers)
     assert folds["into_norms"] + folds["into_up_projections"] + folds["divisions_left"] == changes["awq_divisions"]

@@ -24,7 +24,7 @@ from onnx import numpy_helper as nh
 
 from exporter.int4_options import Int4Options
 from exporter.onnx_passes.fold_awq_divisions import FoldAwqDivisions
-from exporter.onnx_passes.quantize_weights import QuantizeWeights
+from exporter.onnx_passes.quantize_weights import AWQ_DIVISION, QuantizeWeights, _Quantizer
 from exporter.sessions import SESSIONS
 from tests.exporter.onnx_passes.test_quantize_weights import ONNX_OPSETS, _settings
 
@@ -136,6 +136,7 @@ def test_a_norm_output_something_else_reads_keeps_its_division():
     assert counts == {"into_norms": 1, "into_up_projections": 1, "divisions_left": 1}
     divisions = [node for node in model.graph if node.op_type == "Div"]
     assert len(divisions) == 1 and divisions[0].inputs[0].name == "attention_in"
+    assert AWQ_DIVISION not in divisions[0].metadata_props  # the package carries no marker
     np.testing.assert_array_equal(_run(model)["attention_in"], _run(_model(True))["attention_in"])
 
 
@@ -151,7 +152,9 @@ def test_an_up_projection_output_something_else_reads_keeps_the_down_projections
     assert counts == {"into_norms": 2, "into_up_projections": 0, "divisions_left": 1}
     assert [node.inputs[0].name for node in model.graph if node.op_type == "Div"] == ["product"]
     got = _run(model)
-    np.testing.assert_allclose(got["up"], unfolded["up"], rtol=0, atol=1e-5 * np.abs(unfolded["up"]).max())
+    for name in ("up", "down", "q", "k"):
+        np.testing.assert_allclose(got[name], unfolded[name], rtol=0, atol=1e-5 * np.abs(unfolded[name]).max(),
+                                   err_msg=name)
 
 
 @pytest.mark.l1
@@ -221,3 +224,29 @@ def test_a_layer_norms_scale_and_bias_and_a_skip_norm_fold_and_the_skip_sum_is_u
         np.testing.assert_allclose(got[name], values, rtol=0, atol=1e-5 * np.abs(values).max(), err_msg=name)
     norm = next(node for node in model.graph if node.op_type == "LayerNormalization")
     np.testing.assert_allclose(norm.inputs[2].const_value.numpy(), bias / QK_SCALE, rtol=1e-7)
+
+
+@pytest.mark.l3
+def test_an_8_bit_role_takes_its_groups_scale_and_one_alone_stays_unscaled(monkeypatch):
+    """With the key projection an 8-bit role, it shares the query projection's s (stored W * s at
+    8 bits), so their input is divided once and folds; the down projection, 8-bit and alone in
+    its group, stays unscaled (no Div, nothing folded into the up projection)."""
+    monkeypatch.setattr(_Quantizer, "_eight_bit_role",
+                        lambda self, source, tables, lm_head: "sensitive_layers" if source.name in ("wk", "wd") else None)
+    settings = dataclasses.replace(
+        _settings("int4", Int4Options(method="awq", accuracy_level=0, eight_bit=("sensitive_layers",))),
+        activation_aware_scales=SCALES)
+    model = _model()
+    changes = QuantizeWeights()(model, settings, SESSIONS["decoder"])
+    assert changes["eight_bit_sensitive_layers"] == 2
+    assert changes["awq_scaled"] == 4 and changes["awq_divisions"] == 2 and changes["awq_scales_not_applied"] == 0
+    unfolded = _run(model)
+    counts = FoldAwqDivisions()(model, settings, SESSIONS["decoder"])
+    assert counts == {"into_norms": 2, "into_up_projections": 0, "divisions_left": 0}
+    matmuls = {node.name: node for node in model.graph if node.op_type == "MatMulNBits"}
+    assert matmuls["k_proj.int8"].inputs[0] is matmuls["q_proj.int4"].inputs[0]  # both read the folded norm
+    assert matmuls["down_proj.int8"].inputs[0].name == "product"
+    got = _run(model)
+    for name in ("q", "k", "down"):
+        np.testing.assert_allclose(got[name], unfolded[name], rtol=0, atol=1e-5 * np.abs(unfolded[name]).max(),
+                                   err_msg=name)
