@@ -43,8 +43,8 @@ class Int4Options:
     share one s, and its division is folded into the norm (or up projection) before them where
     nothing else reads that input (``exporter.onnx_passes.fold_awq_divisions``), else a Div.
     eight_bit: the roles (``EIGHT_BIT_ROLES``) stored as 8-bit blocks, round-to-nearest with the
-    same block size and symmetry (8 bits leave little for a better search to win); under "awq" a
-    value projection among them takes its group's s (stored ``W * s``). Layers' value
+    same block size and symmetry (8 bits leave little for a better search to win); under "awq" they
+    take their layer's s too (stored ``W * s``). Layers' value
     and down projections are found by their checkpoint names (``layers.N. ... v_proj`` /
     ``down_proj``): a family with other names (fused qkv, GPT-NeoX's) gets fewer of them; the
     report counts what was found."""

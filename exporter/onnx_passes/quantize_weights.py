@@ -22,7 +22,6 @@ the checkpoint tensor their initializer reads (``exporter.weights.origins.made_f
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -277,7 +276,6 @@ class _Quantizer:
         self.input_scales = input_scales or {}
         self.awq_scaled = self.awq_unscaled = self.awq_divisions = 0
         self.scales_found: set[str] = set()  # the searched layers the graph carries
-        self._sharing = Counter(id(scale) for scale in self.input_scales.values())  # id of an s -> its layers
         self._divisors: dict[tuple[int, ir.DataType], ir.Value] = {}  # (id of an s, dtype) -> its initializer
         self._divided: dict[tuple[int, int], ir.Value] = {}  # (id of an input, id of its divisor) -> x / s
         self.over_buffer_limit = 0
@@ -454,9 +452,10 @@ class _Quantizer:
     def _awq_scale(self, source: ir.Value, k: int, block_format: BlockFormat) -> np.ndarray | None:
         """AWQ's measured s [k] for a MatMul weight of an int4 package read from a decoder linear
         layer's checkpoint tensor (``exporter.load.activation_aware_scales``; a graph not read from
-        a checkpoint: by the initializer's name), else None. An 8-bit role sharing its s with other
-        layers (a value projection) takes it too, stored ``W * s`` at 8 bits, so the group's input is
-        divided once; one alone in its group (a down projection) stays unscaled."""
+        a checkpoint: by the initializer's name), else None. An 8-bit role takes its s too, stored
+        ``W * s`` at 8 bits: a value projection's group then divides its input once, and on the
+        real Gemma 3 270M scaling the 8-bit down projections too gave KL 0.230 against 0.234
+        unscaled (Qwen2.5-Coder 0.5B: 0.0330 against 0.0329)."""
         if self.options.method != "awq" or self.bits != 4 or not self.input_scales:
             return None
         name = _checkpoint_name(source.const_value) or source.name
@@ -464,8 +463,6 @@ class _Quantizer:
         if scale is None or scale.shape != (k,):
             return None
         self.scales_found.add(name)
-        if block_format.bits != 4 and self._sharing[id(scale)] < 2:
-            return None
         return scale
 
     def _replace_matmul(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:

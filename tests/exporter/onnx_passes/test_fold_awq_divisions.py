@@ -227,10 +227,10 @@ def test_a_layer_norms_scale_and_bias_and_a_skip_norm_fold_and_the_skip_sum_is_u
 
 
 @pytest.mark.l3
-def test_an_8_bit_role_takes_its_groups_scale_and_one_alone_stays_unscaled(monkeypatch):
-    """With the key projection an 8-bit role, it shares the query projection's s (stored W * s at
-    8 bits), so their input is divided once and folds; the down projection, 8-bit and alone in
-    its group, stays unscaled (no Div, nothing folded into the up projection)."""
+def test_8_bit_roles_take_their_scale_and_their_divisions_fold(monkeypatch):
+    """With the key and down projections 8-bit roles, each takes its s (stored W * s at 8 bits):
+    the key projection shares the query projection's division, and both divisions fold as at 4
+    bits, into the norm and the up projection."""
     monkeypatch.setattr(_Quantizer, "_eight_bit_role",
                         lambda self, source, tables, lm_head: "sensitive_layers" if source.name in ("wk", "wd") else None)
     settings = dataclasses.replace(
@@ -239,10 +239,10 @@ def test_an_8_bit_role_takes_its_groups_scale_and_one_alone_stays_unscaled(monke
     model = _model()
     changes = QuantizeWeights()(model, settings, SESSIONS["decoder"])
     assert changes["eight_bit_sensitive_layers"] == 2
-    assert changes["awq_scaled"] == 4 and changes["awq_divisions"] == 2 and changes["awq_scales_not_applied"] == 0
+    assert changes["awq_scaled"] == 5 and changes["awq_divisions"] == 3 and changes["awq_scales_not_applied"] == 0
     unfolded = _run(model)
     counts = FoldAwqDivisions()(model, settings, SESSIONS["decoder"])
-    assert counts == {"into_norms": 2, "into_up_projections": 0, "divisions_left": 0}
+    assert counts == {"into_norms": 2, "into_up_projections": 1, "divisions_left": 0}
     matmuls = {node.name: node for node in model.graph if node.op_type == "MatMulNBits"}
     assert matmuls["k_proj.int8"].inputs[0] is matmuls["q_proj.int4"].inputs[0]  # both read the folded norm
     assert matmuls["down_proj.int8"].inputs[0].name == "product"
