@@ -25,7 +25,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common
 
 from exporter.onnx_passes.base import run_in_place
-from exporter.onnx_passes.quantize_weights import AWQ_DIVISION, MICROSOFT
+from exporter.onnx_passes.quantize_weights import AWQ_DIVISION, MICROSOFT, unique_initializer_name
 from exporter.onnx_passes.scale_residual_stream import NORMS
 
 
@@ -46,17 +46,14 @@ class FoldAwqDivisions:
             x, divisor = node.inputs
             s = divisor.const_value.numpy().astype(np.float32)
             made_by = x.producer()
-            if made_by is None or x.is_graph_output() or len(x.uses()) != 1 or not _positive(s):
-                counts["divisions_left"] += 1
-                del node.metadata_props[AWQ_DIVISION]
-                continue
-            if _fold_into_norm(graph, made_by, x, s):
+            alone = made_by is not None and not x.is_graph_output() and len(x.uses()) == 1 and _positive(s)
+            if alone and _fold_into_norm(graph, made_by, x, s):
                 counts["into_norms"] += 1
-            elif _fold_into_up_projection(graph, made_by, s):
+            elif alone and _fold_into_up_projection(graph, made_by, s):
                 counts["into_up_projections"] += 1
             else:
                 counts["divisions_left"] += 1
-                del node.metadata_props[AWQ_DIVISION]
+                del node.metadata_props[AWQ_DIVISION]  # the package carries no marker
                 continue
             # x now holds x / s: what read the Div reads x.
             ir.convenience.replace_all_uses_with(node.outputs[0], x)
@@ -123,9 +120,7 @@ def _divided(weight: ir.Value, s: np.ndarray) -> ir.Tensor:
 
 
 def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
-    index, unique = 1, name
-    while unique in graph.initializers:
-        unique, index = f"{name}.{index}", index + 1
-    value = ir.Value(name=unique, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape))
+    value = ir.Value(name=unique_initializer_name(graph, name), const_value=tensor, type=ir.TensorType(tensor.dtype),
+                     shape=ir.Shape(tensor.shape))
     graph.register_initializer(value)
     return value

@@ -359,7 +359,7 @@ class _Quantizer:
             parts = _ExpertBlocks(weight.const_value, self.options)
             for part, dtype, shape in (("blob", ir.DataType.UINT8, [experts, out, width // 2]),
                                        ("scales", weight.dtype, [experts, out, width // block])):
-                value = ir.Value(name=_unique(graph, f"{weight.name}.{'int4' if part == 'blob' else 'scales'}"),
+                value = ir.Value(name=unique_initializer_name(graph, f"{weight.name}.{'int4' if part == 'blob' else 'scales'}"),
                                  const_value=ir.LazyTensor(lambda part=part, parts=parts: parts.part(part), dtype=dtype,
                                                            shape=ir.Shape(shape)),
                                  type=ir.TensorType(dtype), shape=ir.Shape(shape))
@@ -425,7 +425,7 @@ class _Quantizer:
 
         def initializer(part: str, suffix: str, part_dtype: ir.DataType, shape: list[int]) -> ir.Value:
             tensor = ir.LazyTensor(lambda: parts.part(part), dtype=part_dtype, shape=ir.Shape(shape))
-            value = ir.Value(name=_unique(graph, f"{source.name}.{suffix}"), const_value=tensor,
+            value = ir.Value(name=unique_initializer_name(graph, f"{source.name}.{suffix}"), const_value=tensor,
                              type=ir.TensorType(part_dtype), shape=ir.Shape(shape))
             graph.register_initializer(value)
             return value
@@ -443,7 +443,7 @@ class _Quantizer:
             # The layers that read one input share one s (activation_aware_scales): one initializer.
             divisor = self._divisors.get((id(scale), dtype))
             if divisor is None:
-                divisor = ir.Value(name=_unique(graph, f"{source.name}.awq_divisor"),
+                divisor = ir.Value(name=unique_initializer_name(graph, f"{source.name}.awq_divisor"),
                                    const_value=ir.tensor(scale.astype(dtype.numpy())))
                 graph.register_initializer(divisor)
                 self._divisors[(id(scale), dtype)] = divisor
@@ -489,7 +489,7 @@ class _Quantizer:
     def _replace_gather(self, graph: ir.Graph, node: ir.Node, q: _Quantized) -> None:
         block = q.format.block_size
         blocks = q.blob.shape[1]
-        flat_shape = ir.Value(name=_unique(graph, f"{q.blob.name}.rows"),
+        flat_shape = ir.Value(name=unique_initializer_name(graph, f"{q.blob.name}.rows"),
                               const_value=ir.tensor(np.array([q.n, blocks * q.format.blob_width()], dtype=np.int64)))
         graph.register_initializer(flat_shape)
         rows = ir.node("Reshape", [q.blob, flat_shape], name=f"{node.name}.rows")
@@ -501,11 +501,11 @@ class _Quantizer:
         )
         new_nodes = [rows, gather]
         if q.k % block:  # blocks are padded; the padding decodes to garbage
-            ends = ir.Value(name=_unique(graph, f"{q.blob.name}.width"),
+            ends = ir.Value(name=unique_initializer_name(graph, f"{q.blob.name}.width"),
                             const_value=ir.tensor(np.array([q.k], dtype=np.int64)))
-            starts = ir.Value(name=_unique(graph, f"{q.blob.name}.start"),
+            starts = ir.Value(name=unique_initializer_name(graph, f"{q.blob.name}.start"),
                               const_value=ir.tensor(np.array([0], dtype=np.int64)))
-            axes = ir.Value(name=_unique(graph, f"{q.blob.name}.last_axis"),
+            axes = ir.Value(name=unique_initializer_name(graph, f"{q.blob.name}.last_axis"),
                             const_value=ir.tensor(np.array([-1], dtype=np.int64)))
             for value in (ends, starts, axes):
                 graph.register_initializer(value)
@@ -522,7 +522,7 @@ def _swap(graph: ir.Graph, old: ir.Node, new_nodes: list[ir.Node]) -> None:
     ir.convenience.replace_nodes_and_values(graph, old, [old], new_nodes, [original], [result])
 
 
-def _unique(graph: ir.Graph, name: str) -> str:
+def unique_initializer_name(graph: ir.Graph, name: str) -> str:
     if name not in graph.initializers:
         return name
     index = 1
