@@ -424,6 +424,8 @@ def _new_report(loaded, settings: ExportSettings, plan: ExportPlan) -> ExportRep
     layout = settings.layout
     report = ExportReport(source=loaded.source, ep=settings.profile.name, precision=settings.precision,
                           layout=dataclasses.asdict(layout), plan=plan.to_dict(), notes=[*loaded.notes, *plan.notes])
+    if note := layout.padded_values_note():
+        report.notes.append(note)
     if genai_model_type(layout) == FALLBACK_DECODER_TYPE != layout.model_type:
         report.notes.append(f"ONNX Runtime GenAI does not list model type '{layout.model_type}'; "
                             f"genai_config names it '{FALLBACK_DECODER_TYPE}' (same decoder I/O)")

@@ -26,6 +26,14 @@ class KvLayer:
     index: int
     num_kv_heads: int
     head_dim: int
+    # The values' own head dim where it is smaller than the keys' (multi-head latent attention):
+    # GenAI's decoder has one head size, so the package's cache holds values zero-padded to
+    # ``head_dim`` and the graph reads the first ``value_head_dim`` of each.
+    value_head_dim: int | None = None
+
+    @property
+    def padded_value_dims(self) -> int:
+        return self.head_dim - self.value_head_dim if self.value_head_dim is not None else 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,20 @@ class DecoderLayout:
         """Bytes of the KV cache (keys and values of every KV-owning layer) for ``slots`` positions."""
         per_slot = sum(2 * layer.num_kv_heads * layer.head_dim for layer in self.kv_layers)
         return batch_size * slots * per_slot * element_bytes
+
+    def padded_values_note(self) -> str | None:
+        """What zero-padding narrower values to the keys' head size costs, in words (None where no
+        layer pads)."""
+        padded = [layer for layer in self.kv_layers if layer.padded_value_dims]
+        if not padded:
+            return None
+        first = padded[0]
+        stored = sum(2 * layer.num_kv_heads * layer.head_dim for layer in self.kv_layers)
+        padding = sum(layer.num_kv_heads * layer.padded_value_dims for layer in padded)
+        return (f"{len(padded)} of {len(self.kv_layers)} KV layers cache values narrower than their keys "
+                f"({first.value_head_dim} against {first.head_dim} per head in layer {first.index}; multi-head "
+                f"latent attention caches its latent and its rotary key so): ONNX Runtime GenAI's decoder has one "
+                f"head size, so those values are zero-padded to it, {padding / stored:.0%} of the cache's bytes")
 
     @property
     def shared_layer_indices(self) -> tuple[int, ...]:
@@ -129,12 +151,13 @@ def derive_layout(model: PreTrainedModel) -> DecoderLayout:
             continue
         _, num_kv_heads, _, head_dim = keys.shape
         value_head_dim = int(layer.values.shape[-1])
-        if value_head_dim != head_dim:
+        if value_head_dim > head_dim:
             raise ExporterError(
-                f"{config.model_type} caches keys of {head_dim} and values of {value_head_dim} per head (layer {index}; "
-                "multi-head latent attention has such caches): ONNX Runtime GenAI's decoder takes one head size for "
-                "both, so this exporter refuses the model")
-        kv_layers.append(KvLayer(index, int(num_kv_heads), int(head_dim)))
+                f"{config.model_type} caches values of {value_head_dim} per head, wider than its keys' {head_dim} "
+                f"(layer {index}): ONNX Runtime GenAI's decoder takes one head size for both, and this exporter "
+                "pads only values narrower than keys, so it refuses the model")
+        kv_layers.append(KvLayer(index, int(num_kv_heads), int(head_dim),
+                                 value_head_dim if value_head_dim < head_dim else None))
     if not kv_layers:
         raise RuntimeError("no layer stored keys in the cache (the exporter reads the KV layout from what the "
                            "layers store in a transformers DynamicCache)")

@@ -64,6 +64,7 @@ class GenAIDecoder(torch.nn.Module):
         super().__init__()
         self.model = model
         self.kv_layer_indices = layout.kv_layer_indices
+        self.padded_value_dims = tuple(layer.padded_value_dims for layer in layout.kv_layers)
         self.logits_to_keep = logits_to_keep  # transformers' own truncation; tests use it as an oracle
 
     def forward(self, input_ids, attention_mask, position_ids, past_key_values):
@@ -80,6 +81,8 @@ class GenAIDecoder(torch.nn.Module):
             while len(cache.layers) <= layer_index:
                 cache.layers.append(DynamicLayer())
             keys, values = past_key_values[2 * slot], past_key_values[2 * slot + 1]
+            if padding := self.padded_value_dims[slot]:
+                values = values[..., : values.shape[-1] - padding]
             layer = cache.layers[layer_index]
             layer.keys, layer.values = keys, values
             layer.dtype, layer.device = keys.dtype, keys.device
@@ -94,8 +97,11 @@ class GenAIDecoder(torch.nn.Module):
                 logits_to_keep=self.logits_to_keep,
             )
         presents = []
-        for layer_index in self.kv_layer_indices:
-            presents += [cache.layers[layer_index].keys, cache.layers[layer_index].values]
+        for layer_index, padding in zip(self.kv_layer_indices, self.padded_value_dims, strict=True):
+            values = cache.layers[layer_index].values
+            if padding:
+                values = torch.nn.functional.pad(values, (0, padding))
+            presents += [cache.layers[layer_index].keys, values]
         return (outputs.logits, *presents)
 
 

@@ -5,6 +5,7 @@ Gemma 3n's in-place AltUp writes and constant erfinv, and errors that name the e
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import numpy as np
@@ -260,17 +261,91 @@ def test_a_router_with_a_score_correction_buffer_exports_from_a_folder(tmp_path)
     assert genai_greedy(package.path, prompts, no_early_end=True) == expected
 
 
-def test_latent_attention_with_other_value_heads_is_refused_in_one_line(tmp_path, capsys):
-    """DeepSeek-V3's multi-head latent attention caches keys and values of different head sizes;
-    GenAI's decoder config has one head_size: exit 2 with that reason, nothing written."""
-    config = transformers.DeepseekV3Config(
+def _latent_attention_config(config_class, **extra):
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, MiniCPM3, ...), with the rotary
+    key (8) narrower than the latent (16) as in the real models (64 against 512)."""
+    return config_class(
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
         first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
         num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256)
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
+        eos_token_id=1, bos_token_id=2, pad_token_id=0, **extra)  # the ids the tests pad with
+
+
+@pytest.mark.l3
+@pytest.mark.l4
+def test_latent_attention_exports_its_compressed_cache_with_the_rotary_key_padded(tmp_path):
+    """transformers caches latent attention compressed: one "head" of the normalised latent as keys,
+    the rotary key (narrower) as values. The package caches the same, values zero-padded to GenAI's
+    one head size, and the attention runs plain over what each step expands from the cache."""
+    from tests.helpers.generation import genai_greedy, transformers_greedy
+
+    model = transformers.AutoModelForCausalLM.from_config(_latent_attention_config(transformers.DeepseekV3Config))
+    move_constant_tensors(model, 5)
     _, tokenizer = build_preset("tiny-llama")
-    folder = save_checkpoint(transformers.AutoModelForCausalLM.from_config(config), tokenizer, tmp_path / "checkpoint")
-    assert main([str(folder), "-o", str(tmp_path / "out")]) == 2
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "deepseek_v3 caches keys of" in line and "takes one head size for both" in line
-    assert "report it" not in line and not (tmp_path / "out").exists()
+    folder = save_checkpoint(model, tokenizer, tmp_path / "checkpoint")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    package = export(str(folder), output_dir=tmp_path / "out", strict=True, cache=False)
+    assert [(layer.num_kv_heads, layer.head_dim, layer.value_head_dim) for layer in package.layout.kv_layers] == [
+        (1, 16, 8)] * 3
+    decoder = json.loads((package.path / "genai_config.json").read_text())["model"]["decoder"]
+    assert (decoder["head_size"], decoder["num_key_value_heads"]) == (16, 1)
+    assert any("values are zero-padded to it, 25% of the cache's bytes" in note for note in package.report.notes)
+    check_parity(package, reloaded)
+    prompts = [[2, 12, 99, 415, 260, 48, 77, 301, 5, 188], [2, 37, 101]]  # a short row: right padding, a hole
+    assert genai_greedy(package.path, prompts, no_early_end=True) == transformers_greedy(
+        reloaded, prompts, no_early_end=True)
+
+
+@pytest.mark.l4
+def test_an_in_memory_latent_attention_model_matches_transformers(tmp_path):
+    """GLM-4.7-Flash's latent attention, exported from memory."""
+    from tests.helpers.generation import genai_greedy, transformers_greedy
+
+    model = transformers.AutoModelForCausalLM.from_config(
+        _latent_attention_config(transformers.Glm4MoeLiteConfig)).eval()
+    move_constant_tensors(model, 6)
+    _, tokenizer = build_preset("tiny-llama")
+    package = export(model, tokenizer, output_dir=tmp_path / "out", cache=False)
+    prompts = [[2, 12, 99, 415, 260, 48, 77, 301, 5, 188], [2, 37, 101]]
+    assert genai_greedy(package.path, prompts, no_early_end=True) == transformers_greedy(
+        model, prompts, no_early_end=True)
+
+
+class _WideValuesAttention(torch.nn.Module):
+    """Caches values wider than keys, which no padding of values can give one head size."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.project = layer_idx, torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states, cache):
+        batch, seq, _ = hidden_states.shape
+        keys = self.project(hidden_states).view(batch, 1, seq, 8)
+        cache.update(keys, torch.cat([keys, keys], dim=-1), self.layer_idx)
+        return hidden_states
+
+
+class _WideValuesModel(transformers.PreTrainedModel):
+    config_class = transformers.LlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = torch.nn.Embedding(config.vocab_size, 8)
+        self.layers = torch.nn.ModuleList(_WideValuesAttention(i) for i in range(config.num_hidden_layers))
+
+    def forward(self, input_ids, cache, use_cache):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, cache)
+        return hidden
+
+
+def test_values_wider_than_keys_are_refused_in_one_line():
+    from exporter.load.layout import derive_layout
+
+    model = _WideValuesModel(transformers.LlamaConfig(
+        vocab_size=16, hidden_size=8, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1))
+    with pytest.raises(ExporterError, match=r"^llama caches values of 16 per head, wider than its keys' 8 \(layer 0\): "
+                                            r"ONNX Runtime GenAI's decoder takes one head size for both.*refuses"):
+        derive_layout(model)
