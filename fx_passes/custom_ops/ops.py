@@ -511,7 +511,12 @@ def mixture_of_experts(
     limit)`` and ``u' = clamp(u, -limit, limit)`` (SiLU gating: alpha 1, beta 0, no limit (None); gpt-oss:
     1.702, 1 and its ``swiglu_limit``); the outputs are summed with their routing weights. hidden
     [tokens, hidden], router_logits [tokens, experts], gate_up [experts, 2 * inner, hidden], down
-    [experts, hidden, inner], biases [experts, rows]. Returns [tokens, hidden]."""
+    [experts, hidden, inner], biases [experts, rows]. Returns [tokens, hidden]. hidden may also be
+    [batch, seq, hidden] (router_logits still [tokens, experts]); the output then has its shape."""
+    if hidden.dim() == 3:
+        flat = mixture_of_experts(hidden.reshape(-1, hidden.shape[-1]), router_logits, gate_up, down, k, normalize,
+                                  gate_up_bias, down_bias, interleaved, alpha, beta, limit)
+        return flat.reshape(hidden.shape)
     probabilities = torch.softmax(router_logits.float(), dim=-1)
     weights, experts = torch.topk(probabilities, k, dim=-1)  # [tokens, k]
     if normalize:

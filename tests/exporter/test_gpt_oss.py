@@ -1,6 +1,7 @@
 """gpt-oss: learned attention sinks through GroupQueryAttention's ``head_sink``, alternating sliding
 and full layers, YaRN, and routed experts with biases and a clamped SwiGLU through ONNX Runtime's
-``MoE`` (``QMoE`` at int4) on cpu; on webgpu the experts stay traced.
+``MoE`` (``QMoE`` at int4) on cpu; on webgpu ``QMoE`` at int4 (graph captured), and the experts
+stay traced at fp16 (WebGPU's float ``MoE`` runs on the CPU).
 
 The checkpoint is the ``tiny-gpt-oss`` preset with its constants moved (``perturb_constant_tensors``)
 and, as trained weights have them, sinks of order 1 and biases off zero (init leaves them near zero,
@@ -147,8 +148,9 @@ def test_int4_experts_are_qmoe_with_their_biases_and_pass_check_against(checkpoi
 
 @pytest.mark.l1
 def test_a_captured_webgpu_export_is_refused_in_one_line(checkpoint, tmp_path):
-    """webgpu runs no MoE op here: the traced experts read shapes on the CPU, which graph capture
-    cannot have. The refusal names the way out."""
+    """webgpu's float MoE runs on the CPU, so at fp16 (the default) the experts stay traced, and
+    their routing reads shapes on the CPU, which graph capture cannot have. The refusal names the
+    way out."""
     with pytest.raises(ExporterError, match=r"captures the decoder's graph, but \d+ nodes would run on the CPU .*"
                                             r"--no-graph-capture"):
         export(str(checkpoint[0]), ep="webgpu", output_dir=tmp_path / "out", cache=False)
@@ -170,4 +172,24 @@ def test_webgpu_fp16_matches_transformers_on_the_ep(checkpoint, tmp_path):
     assert attention["changes"]["attention_sink_layers"] == 4 and attention["changes"]["window_mask_layers"] == 2
     findings = {f.check: f for f in check_package(package.path, get_profile("webgpu"), against=str(folder))}
     for name in ("ep_generation", "ep_source_logits", "ep_source_tokens"):
+        assert findings[name].passed and not findings[name].skipped, findings[name].detail
+
+
+@pytest.mark.l5
+def test_webgpu_int4_runs_qmoe_on_the_ep_with_the_graph_captured(checkpoint, tmp_path):
+    """int4 on WebGPU (lavapipe): the experts become QMoE, which the WebGPU plugin runs (biases and
+    the clamped SwiGLU included), taking [batch, seq, hidden] so no shape work is left on the CPU:
+    every node on the EP, the graph captured, and ``check --against`` holds the EP's distribution
+    to transformers' (the int4 rule)."""
+    from exporter.verify.check import check_package
+
+    require_webgpu()
+    folder = checkpoint[0]
+    package = export(str(folder), ep="webgpu", precision="int4", output_dir=tmp_path / "webgpu", cache=False)
+    assert package.report.op_counts.get("com.microsoft.QMoE") == 4
+    assert json.loads((package.path / "genai_config.json").read_text())["model"]["decoder"]["session_options"][
+        "provider_options"][0]["webgpu"]["enableGraphCapture"] == "1"
+    findings = {f.check: f for f in check_package(package.path, get_profile("webgpu"), against=str(folder))}
+    assert "all" in findings["session"].detail and "WebGpuExecutionProvider" in findings["session"].detail
+    for name in ("graph_capture", "ep_generation", "ep_source_distribution", "ep_source_tokens"):
         assert findings[name].passed and not findings[name].skipped, findings[name].detail

@@ -82,11 +82,13 @@ GOLDEN = {
     ("tiny-llama", "trt-rtx", "bf16"): (LLAMA_FX, ONNX_BF16),
     ("tiny-llama", "trt-rtx", "fp32"): ([*CLEANUP, LAST_TOKEN], ONNX),
     ("tiny-llama", "trt-rtx", "int4"): (LLAMA_FX, ONNX_FP16 + INT4),
-    # Routed experts become ONNX Runtime's MoE on the CPU only (the one EP whose kernel was run).
+    # Routed experts become ONNX Runtime's MoE where its kernel was run: the CPU's MoE and QMoE, and
+    # WebGPU's QMoE (its MoE runs on the CPU, so webgpu fp16 keeps the experts traced).
     ("tiny-qwen3-moe", "cpu", "fp32"): ([*CLEANUP, GQA, MOE, LAST_TOKEN], ONNX),
     ("tiny-qwen3-moe", "cpu", "int4"): ([*CLEANUP, GQA, MOE, LAST_TOKEN], ONNX + INT4),
     ("tiny-qwen3-moe", "cuda", "fp16"): (LLAMA_FX, ONNX_FP16),
     ("tiny-qwen3-moe", "webgpu", "fp16"): ([*CLEANUP, SPLIT, GQA, LAST_TOKEN], ONNX_CAPTURED_FP16),
+    ("tiny-qwen3-moe", "webgpu", "int4"): ([*CLEANUP, SPLIT, GQA, MOE, LAST_TOKEN], ONNX_CAPTURED_FP16 + INT4),
 }
 
 _LAYOUTS = {}

@@ -18,8 +18,9 @@ from tests.helpers.plan_settings import DECODER, pass_settings
 MOE = torch.ops.genai_exporter.mixture_of_experts.default
 
 
-def _substituted(name: str, **config):
+def _substituted(name: str, dtype: torch.dtype = torch.float32, ep: str = "cpu", precision: str = "fp32", **config):
     model, _ = build_preset(name)
+    model = model.to(dtype)
     for key, value in config.items():  # read by the modules at run time (gpt-oss's experts' limit)
         setattr(model.config, key, value)
         for module in model.modules():
@@ -33,11 +34,12 @@ def _substituted(name: str, **config):
     layout = derive_layout(model)
     program, _ = trace(model, layout)
     generator = torch.Generator().manual_seed(0)
-    cases = [make_inputs(layout, 1, 7, 0, generator=generator), make_inputs(layout, 2, 1, 5, generator=generator),
-             make_inputs(layout, 2, 6, 0, generator=generator, right_padding=(0, 2))]
+    cases = [make_inputs(layout, 1, 7, 0, generator=generator, dtype=dtype),
+             make_inputs(layout, 2, 1, 5, generator=generator, dtype=dtype),
+             make_inputs(layout, 2, 6, 0, generator=generator, dtype=dtype, right_padding=(0, 2))]
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
-    settings = pass_settings(get_profile("cpu"), layout)
+    settings = pass_settings(get_profile(ep), layout, precision)
     passes = [FX_PASSES[n] for n in ("drop_runtime_asserts", "drop_noop_casts", "substitute_mixture_of_experts")]
     program, records = run_fx_passes(program, passes, settings, DECODER)
     return layout, program, cases, before, records[-1].changes
@@ -52,10 +54,34 @@ def test_substitution_keeps_results(name):
     assert changes["plain_blocks"] == {}
     # No expert's weights are gathered per token any more.
     assert not any(n.target is torch.ops.aten.index.Tensor and "experts" in str(n.args[0]) for n in program.graph.nodes)
+    # The op takes [batch, seq, hidden] where the block flattened it: no reshape back reads the
+    # batch and sequence sizes (shape work a captured graph cannot have).
+    views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+    for node in fused:
+        assert node.args[0].meta["val"].dim() == 3 and not any(user.target in views for user in node.users)
     with torch.no_grad():
         for inputs, want in zip(cases, before, strict=True):
             for got, expected in zip(program.module()(*inputs), want, strict=True):
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.l2
+@pytest.mark.parametrize("name", [*sorted(FUSED_MIXTURE_OF_EXPERTS_FAMILIES), "tiny-gpt-oss"])
+def test_blocks_traced_in_fp16_are_substituted_with_router_logits_of_the_op_dtype(name):
+    """webgpu runs QMoE at int4, whose activations are fp16: the random-weight check holds an fp16
+    block to fp16's rounding, and a router whose softmax runs in float32 (Mixtral's) gives the op
+    logits of the input's dtype (ONNX Runtime's MoE types both alike)."""
+    layout, program, cases, before, changes = _substituted(name, torch.float16, "webgpu", "int4")
+    fused = [n for n in program.graph.nodes if n.target is MOE]
+    assert len(fused) == layout.experts_modules == len(changes["substituted_layers"]) > 0
+    for node in fused:
+        assert node.args[0].meta["val"].dtype == node.args[1].meta["val"].dtype == torch.float16
+    with torch.no_grad():
+        for inputs, want in zip(cases, before, strict=True):
+            got, expected = program.module()(*inputs)[0].float(), want[0].float()  # the logits
+            assert torch.isfinite(got).all() and torch.isfinite(expected).all()
+            # fp16 through another summation order: ~1e-3 of the logits' scale; a wrong routing is ~1e-1
+            assert (got - expected).abs().max() <= 1e-2 * max(1.0, float(expected.abs().max()))
 
 
 @pytest.mark.l2
@@ -102,3 +128,4 @@ def test_a_clamp_the_op_cannot_compute_keeps_the_block_traced(monkeypatch):
         for inputs, want in zip(cases, before, strict=True):
             for got, expected in zip(program.module()(*inputs), want, strict=True):
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
