@@ -34,10 +34,19 @@ class _Group:
     first_target: str  # the model tensor transformers files the group under
     sources: list[tuple[str, str]] = field(default_factory=list)  # (source pattern, checkpoint key), in load order
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # model tensor -> converted shape
+    # Runs a pre-quantized checkpoint's dequantizing op (on every tensor, for some formats: FP8's
+    # passes a float tensor without its scale through).
+    dequantizing_op: bool = False
 
     @property
     def keys(self) -> list[str]:
         return [key for _, key in self.sources]
+
+    @property
+    def dequantizes(self) -> bool:
+        """Reads quantized values with their scales (MXFP4's blocks and scales, FP8's weight and
+        inverse scale)."""
+        return self.dequantizing_op and len(self.sources) > 1
 
 
 @dataclass
@@ -47,6 +56,7 @@ class ConvertedTensors:
     renamed: dict[str, str]  # model tensor -> the one checkpoint key it is, under another name
     groups: dict[str, _Group]  # model tensor -> the converted group that makes it
     _model: torch.nn.Module | None = None
+    quantization_method: str | None = None  # a pre-quantized checkpoint's, whose weights are dequantized
     _last: tuple[int, dict[str, torch.Tensor]] | None = None  # the last group converted, for its siblings
 
     def keys_of(self, name: str) -> list[str]:
@@ -72,7 +82,9 @@ def plan_conversions(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]])
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
-    mapping = get_model_conversion_mapping(model)
+    quantizer = dequantizing_quantizer(getattr(model, "config", None))
+    mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
+    dequantize = quantizer.get_load_operations()["dequantize"] if quantizer is not None else None
     renamings = [entry for entry in mapping if not isinstance(entry, WeightConverter)]
     converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
@@ -89,7 +101,10 @@ def plan_conversions(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]])
             if target != key:
                 renamed[target] = key
             continue
-        group = first_targets.setdefault(target, _Group(copy.deepcopy(by_pattern[pattern]), target))
+        converter = by_pattern[pattern]
+        group = first_targets.setdefault(target, _Group(
+            copy.deepcopy(converter), target,
+            dequantizing_op=dequantize is not None and any(isinstance(op, dequantize) for op in converter.operations)))
         group.sources.append((pattern, key))
 
     groups: dict[str, _Group] = {}
@@ -100,7 +115,33 @@ def plan_conversions(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]])
         for name in group.shapes:
             if name in wanted:
                 groups[name] = group
-    return ConvertedTensors(renamed, groups, model)
+    method = quantizer.quantization_config.quant_method if quantizer is not None else None
+    method = getattr(method, "value", method)  # an enum in transformers
+    return ConvertedTensors(renamed, groups, model, quantization_method=method)
+
+
+def dequantizing_quantizer(config):
+    """transformers' quantizer for a pre-quantized checkpoint (its ``quantization_config``), set to
+    dequantize on load as ``from_pretrained`` does where no kernel runs the format (gpt-oss's MXFP4
+    experts on a CPU): its converters then turn each weight's stored blocks and scales into the
+    float tensor the model holds, one group at a time. None for a float checkpoint; a method
+    transformers cannot dequantize on load is refused in one line."""
+    settings = getattr(config, "quantization_config", None)
+    if settings is None:
+        return None
+    from transformers.quantizers import AutoHfQuantizer
+
+    method = settings.get("quant_method") if isinstance(settings, dict) else getattr(settings, "quant_method", None)
+    try:
+        quantizer = AutoHfQuantizer.from_config(settings, pre_quantized=True)
+    except (ValueError, ImportError) as error:
+        raise ExporterError(f"the checkpoint is pre-quantized ({method}), and transformers cannot read that here "
+                            f"({str(error).strip().splitlines()[0]}); export a float checkpoint of it") from error
+    if "dequantize" not in quantizer.get_load_operations():
+        raise ExporterError(f"the checkpoint is pre-quantized ({method}), which transformers does not dequantize on "
+                            "load; export a float checkpoint of it (the exporter quantizes with --precision int4)")
+    quantizer.quantization_config.dequantize = True
+    return quantizer
 
 
 def _convert(group: _Group, model, read_key: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -116,4 +157,5 @@ def _convert(group: _Group, model, read_key: Callable[[str], torch.Tensor]) -> d
             f"into '{group.first_target}' failed ({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}); "
             "is it the checkpoint of this config?"
         ) from error
-    return {name: value[0] if isinstance(value, list) else value for name, value in converted.items()}
+    # detach: a dequantizing op returns a Parameter (MXFP4's)
+    return {name: (value[0] if isinstance(value, list) else value).detach() for name, value in converted.items()}

@@ -283,7 +283,7 @@ class SafetensorsWeights:
             raise ExporterError(f"{where} give shape {list(group.shapes[name])}, the model needs "
                                 f"{list(tensor.shape)}; is it the checkpoint of this config?")
         stored = {self._slice(key).get_dtype() for key in keys}
-        if any((dtype in _FLOAT_DTYPES) != tensor.is_floating_point() for dtype in stored):
+        if not group.dequantizing_op and any((dtype in _FLOAT_DTYPES) != tensor.is_floating_point() for dtype in stored):
             raise ExporterError(f"{where} are {'/'.join(sorted(stored))}, which cannot become the model's "
                                 f"{tensor.dtype} '{name}'")
 
@@ -459,5 +459,12 @@ def account(store: WeightStore, attached: int, read: set[str], strict: bool) -> 
     unread = store.unread(read)
     if strict and unread.unexplained:
         raise ExporterError(f"--strict: {unread.notes()[0]}")
-    return [f"{attached} weight tensors written one at a time (never all in memory) from {store.description}",
-            *unread.notes()]
+    notes = [f"{attached} weight tensors written one at a time (never all in memory) from {store.description}",
+             *unread.notes()]
+    converted = getattr(store, "converted", None)
+    if converted is not None and (dequantized := sorted({n for n, g in converted.groups.items() if g.dequantizes})):
+        notes.append(f"{len(dequantized)} weights ({dequantized[0]}, ...) dequantized from the checkpoint's "
+                     f"{converted.quantization_method} "
+                     "blocks by transformers' quantizer, as from_pretrained does without its kernels; the package's "
+                     "precision then applies to them")
+    return notes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import transformers
@@ -159,4 +160,22 @@ def test_remote_code_stays_off(tmp_path, capsys):
     (folder / "configuration_custom.py").write_text("raise SystemExit('remote code ran')\n")
     code, message = _run_cli([str(folder), "-o", str(tmp_path / "out")], capsys)
     assert code == 2 and "--trust-remote-code" in message
+    _assert_nothing_written(tmp_path, "out")
+
+
+@pytest.mark.parametrize("quantization", [
+    {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True},
+    {"quant_method": "bitsandbytes", "load_in_4bit": True},
+])
+def test_a_checkpoint_quantized_in_a_form_transformers_cannot_dequantize_is_refused(quantization, preset_exports, tmp_path,
+                                                                                     capsys):
+    """Its weights are packed integers under other names; only formats transformers dequantizes on
+    load (gpt-oss's MXFP4, fine-grained FP8) are read, through its quantizer's converters."""
+    folder = tmp_path / "quantized"
+    shutil.copytree(preset_exports.checkpoint("tiny-llama").folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    code, message = _run_cli([str(folder), "-o", str(tmp_path / "out")], capsys)
+    assert code == 2 and message.startswith(f"error: the checkpoint is pre-quantized ({quantization['quant_method']})")
+    assert "export a float checkpoint of it" in message
     _assert_nothing_written(tmp_path, "out")

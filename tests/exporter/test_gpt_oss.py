@@ -14,12 +14,14 @@ comparison could not fail.
 from __future__ import annotations
 
 import json
+import shutil
 
 import onnx
 import pytest
 import torch
 import transformers
 from onnx import helper
+from safetensors.torch import load_file, save_file
 
 from ep_profiles import get_profile
 from exporter import ExporterError, export
@@ -124,6 +126,49 @@ def test_genai_greedy_matches_transformers(packages, checkpoint, source, prompts
     expected = transformers_greedy(checkpoint[1], prompts, no_early_end=True)
     assert all(len(set(row)) > 2 for row in expected)  # tokens that a wrong package would not repeat
     assert genai_greedy(packages[source].path, prompts, no_early_end=True) == expected
+
+
+# OCP microscaling FP4 (e2m1): the 16 codes' values, as gpt-oss's checkpoints store their experts.
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's MXFP4 form of an experts weight stored [experts, in, out]: per output row, blocks of
+    32 inputs, each a power-of-two scale (uint8, exponent + 127) and 32 e2m1 codes, two per byte
+    (low nibble first): blocks [experts, out, in / 32, 16], scales [experts, out, in / 32]."""
+    rows = weight.transpose(1, 2).float()
+    groups = rows.reshape(*rows.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-126) / 6.0))  # 6: e2m1's largest
+    codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - _E2M1).abs().argmin(-1).to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+@pytest.mark.l3
+def test_an_mxfp4_checkpoint_is_dequantized_by_transformers_quantizer_as_it_streams(checkpoint, tmp_path):
+    """gpt-oss-20b's experts are saved as MXFP4 blocks and scales (``quantization_config``
+    ``mxfp4``): the store runs transformers' own dequantizing converter per layer, as
+    ``from_pretrained`` does on a machine without MXFP4 kernels, and the package computes what
+    transformers' load of the folder computes."""
+    folder = tmp_path / "mxfp4"
+    shutil.copytree(checkpoint[0], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    experts = [key for key in tensors if key.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    for key in experts:
+        tensors[key + "_blocks"], tensors[key + "_scales"] = _mxfp4(tensors.pop(key))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    dequantized = reloaded.model.layers[0].mlp.experts.gate_up_proj
+    original = checkpoint[1].model.layers[0].mlp.experts.gate_up_proj
+    assert not torch.equal(dequantized, original)  # FP4 rounding: the package must read the blocks
+    assert torch.corrcoef(torch.stack([dequantized.flatten(), original.flatten()]))[0, 1] > 0.98  # the layout
+    package = export(str(folder), output_dir=tmp_path / "out", strict=True, cache=False)
+    assert any(note.startswith(f"{len(experts)} weights (") and "dequantized from the checkpoint's mxfp4 blocks"
+               in note for note in package.report.notes), package.report.notes
+    check_parity(package, reloaded)
 
 
 @pytest.mark.l3
