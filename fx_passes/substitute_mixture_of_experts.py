@@ -29,6 +29,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
+from exporter.int4_options import Int4Options
 from fx_passes.analyses.graph_facts import layer_index, probe_inputs
 from fx_passes.base import Settings
 from fx_passes.custom_ops import ops  # registers the custom ops; ops.mixture_of_experts is the reference kernel
@@ -91,6 +92,9 @@ class SubstituteMixtureOfExperts:
                                      "(checked on random weights)")
                 continue
             transposed, normalize, gating = form
+            if why := _float_experts_off_the_ep(block, hidden, transposed, settings):
+                plain[block.path] = why
+                continue
             (output,) = block.outputs
             with graph.inserting_before(output.next):  # new nodes in the order made, after the block
                 gate_up, down = block.gate_up, block.down
@@ -98,11 +102,13 @@ class SubstituteMixtureOfExperts:
                     gate_up, down = (graph.call_function(_aten.transpose.int, (w, 1, 2)) for w in (gate_up, down))
                     for weight in (gate_up, down):
                         weight.meta["val"] = weight.args[0].meta["val"].transpose(1, 2)
-                if logits.meta["val"].dtype != hidden.meta["val"].dtype:
-                    # Mixtral's router takes its softmax in float32: the op types both alike.
-                    logits = graph.call_function(_aten._to_copy.default, (logits,),
-                                                 {"dtype": hidden.meta["val"].dtype})
-                    logits.meta["val"] = logits.args[0].meta["val"].to(hidden.meta["val"].dtype)
+                dtype = hidden.meta["val"].dtype
+                if logits.meta["val"].dtype != dtype:  # the op types both alike
+                    if logits.target is _aten._to_copy.default and logits.args[0].meta["val"].dtype == dtype:
+                        logits = logits.args[0]  # Mixtral's router: logits of hidden's dtype, cast up for the softmax
+                    else:  # logits computed in float32: rounded before the op's top k (the probe used them unrounded)
+                        logits = graph.call_function(_aten._to_copy.default, (logits,), {"dtype": dtype})
+                        logits.meta["val"] = logits.args[0].meta["val"].to(dtype)
                 fused = graph.call_function(_MIXTURE_OF_EXPERTS, (hidden, logits, gate_up, down, k, normalize,
                                                                   block.gate_up_bias, block.down_bias, *gating))
             fused.meta = {**output.meta, "val": output.meta["val"]}
@@ -146,6 +152,8 @@ def _unflattened(graph: torch.fx.Graph, fused: Node) -> None:
     if flat.target not in _VIEWS or not isinstance(flat.args[0], Node):
         return
     unflat = flat.args[0]
+    if unflat.meta["val"].shape[-1] != flat.meta["val"].shape[-1]:  # only a flatten of the leading dims
+        return
     shape = [str(d) for d in unflat.meta["val"].shape]
     backs = list(fused.users)
     if len(shape) != 3 or not backs or any(
@@ -153,9 +161,29 @@ def _unflattened(graph: torch.fx.Graph, fused: Node) -> None:
         return
     fused.args = (unflat, *fused.args[1:])
     fused.meta["val"] = unflat.meta["val"].new_empty(unflat.meta["val"].shape)
+    fused.meta.pop("tensor_meta", None)  # the 2-D block output's
     for back in backs:
         back.replace_all_uses_with(fused)
         graph.erase_node(back)
+
+
+_FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def _float_experts_off_the_ep(block: _Block, hidden: Node, transposed: bool, settings: Settings) -> str | None:
+    """Why the block must stay traced on a profile that runs only ``QMoE`` (webgpu: its float
+    ``MoE`` runs on the CPU): the int4 block size must divide both expert widths, or
+    ``quantize_weights`` leaves the op float. None where the op may be substituted."""
+    profile = settings.profile
+    if settings.precision != "int4" or any(p in profile.mixture_of_experts_precisions for p in _FLOAT_PRECISIONS):
+        return None
+    down = block.down.meta["val"].shape
+    widths = (int(hidden.meta["val"].shape[-1]), int(down[1] if transposed else down[2]))
+    size = (settings.int4 or Int4Options()).block_size
+    if all(width % size == 0 for width in widths):
+        return None
+    return (f"has expert widths {widths} that the int4 block size {size} does not divide, so QMoE cannot take it, "
+            f"and {profile.name} runs no float MoE on the EP")
 
 
 def _experts_blocks(program: ExportedProgram) -> list[_Block]:

@@ -151,6 +151,11 @@ def derive_layout(model: PreTrainedModel) -> DecoderLayout:
             continue
         _, num_kv_heads, _, head_dim = keys.shape
         value_head_dim = int(layer.values.shape[-1])
+        if tuple(layer.values.shape[:3]) != tuple(keys.shape[:3]):
+            raise ExporterError(
+                f"{config.model_type} caches values of shape {list(layer.values.shape)} beside keys of "
+                f"{list(keys.shape)} (layer {index}): ONNX Runtime GenAI's decoder carries keys and values of one "
+                "head count and length, so this exporter refuses the model")
         if value_head_dim > head_dim:
             raise ExporterError(
                 f"{config.model_type} caches values of {value_head_dim} per head, wider than its keys' {head_dim} "

@@ -115,31 +115,50 @@ def plan_conversions(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]])
         for name in group.shapes:
             if name in wanted:
                 groups[name] = group
-    method = quantizer.quantization_config.quant_method if quantizer is not None else None
-    method = getattr(method, "value", method)  # an enum in transformers
+    method = quantization_method(model.config) if quantizer is not None else None
     return ConvertedTensors(renamed, groups, model, quantization_method=method)
 
 
-def dequantizing_quantizer(config):
-    """transformers' quantizer for a pre-quantized checkpoint (its ``quantization_config``), set to
-    dequantize on load as ``from_pretrained`` does where no kernel runs the format (gpt-oss's MXFP4
-    experts on a CPU): its converters then turn each weight's stored blocks and scales into the
-    float tensor the model holds, one group at a time. None for a float checkpoint; a method
-    transformers cannot dequantize on load is refused in one line."""
+# The pre-quantized formats read here, each through transformers' own dequantizing converter (and
+# tested: gpt-oss's MXFP4 experts, fine-grained FP8). Others transformers could dequantize
+# (compressed-tensors, ...) are untested, so refused like those it cannot.
+DEQUANTIZED_FORMATS = ("mxfp4", "fp8")
+
+
+def quantization_method(config) -> str | None:
+    """The ``quant_method`` of a checkpoint's ``quantization_config`` (None for a float one)."""
     settings = getattr(config, "quantization_config", None)
     if settings is None:
         return None
+    method = settings.get("quant_method") if isinstance(settings, dict) else getattr(settings, "quant_method", None)
+    return str(getattr(method, "value", method))  # an enum in transformers
+
+
+def refused_format(config) -> str:
+    """The one line for a checkpoint whose weights are stored in a format not read here."""
+    return (f"the checkpoint is pre-quantized ({quantization_method(config)}), a format this exporter does not read "
+            f"(it dequantizes {' and '.join(DEQUANTIZED_FORMATS)} through transformers); export a float checkpoint "
+            "of it (the exporter quantizes with --precision int4)")
+
+
+def dequantizing_quantizer(config):
+    """transformers' quantizer for a pre-quantized checkpoint in one of ``DEQUANTIZED_FORMATS``, set
+    to dequantize on load as ``from_pretrained`` does where no kernel runs the format (gpt-oss's
+    MXFP4 experts on a CPU): its converters then turn each weight's stored blocks and scales into
+    the float tensor the model holds, one group at a time. None otherwise: a float checkpoint, or
+    one whose config names another format (a float checkpoint may keep a stale
+    ``quantization_config``; if its tensors are not float, matching fails with ``refused_format``)."""
+    method = quantization_method(config)
+    if method not in DEQUANTIZED_FORMATS:
+        return None
     from transformers.quantizers import AutoHfQuantizer
 
-    method = settings.get("quant_method") if isinstance(settings, dict) else getattr(settings, "quant_method", None)
     try:
-        quantizer = AutoHfQuantizer.from_config(settings, pre_quantized=True)
-    except (ValueError, ImportError) as error:
-        raise ExporterError(f"the checkpoint is pre-quantized ({method}), and transformers cannot read that here "
-                            f"({str(error).strip().splitlines()[0]}); export a float checkpoint of it") from error
-    if "dequantize" not in quantizer.get_load_operations():
-        raise ExporterError(f"the checkpoint is pre-quantized ({method}), which transformers does not dequantize on "
-                            "load; export a float checkpoint of it (the exporter quantizes with --precision int4)")
+        quantizer = AutoHfQuantizer.from_config(config.quantization_config, pre_quantized=True)
+    except Exception as error:  # noqa: BLE001 - a malformed config or a missing package: one line
+        raise ExporterError(f"the checkpoint is pre-quantized ({method}), and transformers cannot read its "
+                            f"quantization_config here ({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}); "
+                            "export a float checkpoint of it") from error
     quantizer.quantization_config.dequantize = True
     return quantizer
 

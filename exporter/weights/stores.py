@@ -18,7 +18,13 @@ import onnx_ir as ir
 import torch
 
 from exporter.errors import ExporterError
-from exporter.weights.checkpoint_conversions import ConvertedTensors, plan_conversions
+from exporter.weights.checkpoint_conversions import (
+    DEQUANTIZED_FORMATS,
+    ConvertedTensors,
+    plan_conversions,
+    quantization_method,
+    refused_format,
+)
 from exporter.weights.safetensors_header import read_header
 
 Index = tuple[slice, ...] | None
@@ -257,7 +263,12 @@ class SafetensorsWeights:
             if name in self.converted.groups:
                 self._check_converted(name, tensor)
                 continue
-            key = self.key_of(name)
+            try:
+                key = self.key_of(name)
+            except ExporterError as error:
+                if quantization_method(getattr(model, "config", None)) not in (None, *DEQUANTIZED_FORMATS):
+                    raise ExporterError(refused_format(model.config)) from error
+                raise
             found = self._slice(key)
             stored, wanted = tuple(found.get_shape()), tuple(tensor.shape)
             where = f"checkpoint tensor '{key}' in {self.folder / self.file_of[key]}"
@@ -283,7 +294,7 @@ class SafetensorsWeights:
             raise ExporterError(f"{where} give shape {list(group.shapes[name])}, the model needs "
                                 f"{list(tensor.shape)}; is it the checkpoint of this config?")
         stored = {self._slice(key).get_dtype() for key in keys}
-        if not group.dequantizing_op and any((dtype in _FLOAT_DTYPES) != tensor.is_floating_point() for dtype in stored):
+        if not group.dequantizes and any((dtype in _FLOAT_DTYPES) != tensor.is_floating_point() for dtype in stored):
             raise ExporterError(f"{where} are {'/'.join(sorted(stored))}, which cannot become the model's "
                                 f"{tensor.dtype} '{name}'")
 
@@ -463,7 +474,8 @@ def account(store: WeightStore, attached: int, read: set[str], strict: bool) -> 
              *unread.notes()]
     converted = getattr(store, "converted", None)
     if converted is not None and (dequantized := sorted({n for n, g in converted.groups.items() if g.dequantizes})):
-        notes.append(f"{len(dequantized)} weights ({dequantized[0]}, ...) dequantized from the checkpoint's "
+        named = dequantized[0] + (", ..." if len(dequantized) > 1 else "")
+        notes.append(f"{len(dequantized)} weights ({named}) dequantized from the checkpoint's "
                      f"{converted.quantization_method} "
                      "blocks by transformers' quantizer, as from_pretrained does without its kernels; the package's "
                      "precision then applies to them")

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 import transformers
 
 from exporter import ExporterError, export, pipeline
@@ -167,15 +168,33 @@ def test_remote_code_stays_off(tmp_path, capsys):
     {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True},
     {"quant_method": "bitsandbytes", "load_in_4bit": True},
 ])
-def test_a_checkpoint_quantized_in_a_form_transformers_cannot_dequantize_is_refused(quantization, preset_exports, tmp_path,
-                                                                                     capsys):
-    """Its weights are packed integers under other names; only formats transformers dequantizes on
-    load (gpt-oss's MXFP4, fine-grained FP8) are read, through its quantizer's converters."""
+def test_a_checkpoint_quantized_in_a_form_not_read_is_refused(quantization, preset_exports, tmp_path, capsys):
+    """Its weights are packed integers under other names (AWQ's ``qweight``); only formats
+    transformers dequantizes on load and that are tested here (gpt-oss's MXFP4, fine-grained FP8)
+    are read, through its quantizer's converters."""
+    from safetensors.torch import load_file, save_file
+
     folder = tmp_path / "quantized"
     shutil.copytree(preset_exports.checkpoint("tiny-llama").folder, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for key in [key for key in tensors if key.endswith("proj.weight")]:
+        tensors[key.removesuffix("weight") + "qweight"] = tensors.pop(key).to(torch.int32)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
     code, message = _run_cli([str(folder), "-o", str(tmp_path / "out")], capsys)
     assert code == 2 and message.startswith(f"error: the checkpoint is pre-quantized ({quantization['quant_method']})")
     assert "export a float checkpoint of it" in message
     _assert_nothing_written(tmp_path, "out")
+
+
+def test_a_float_checkpoint_with_a_stale_quantization_config_exports(preset_exports, tmp_path):
+    """A merged fine-tune can keep the quantization_config of the adapter's base (QLoRA's
+    bitsandbytes) over float weights: those weights are read as they are."""
+    folder = tmp_path / "merged"
+    shutil.copytree(preset_exports.checkpoint("tiny-llama").folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "bitsandbytes", "load_in_4bit": True}}))
+    package = export(str(folder), output_dir=tmp_path / "out", strict=True, cache=False)
+    assert not any("dequantized" in note for note in package.report.notes)

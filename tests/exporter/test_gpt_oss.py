@@ -231,7 +231,7 @@ def test_webgpu_int4_runs_qmoe_on_the_ep_with_the_graph_captured(checkpoint, tmp
     require_webgpu()
     folder = checkpoint[0]
     package = export(str(folder), ep="webgpu", precision="int4", output_dir=tmp_path / "webgpu", cache=False)
-    assert package.report.op_counts.get("com.microsoft.QMoE") == 4
+    assert package.report.op_counts.get("com.microsoft.QMoE") == package.layout.experts_modules > 0
     assert json.loads((package.path / "genai_config.json").read_text())["model"]["decoder"]["session_options"][
         "provider_options"][0]["webgpu"]["enableGraphCapture"] == "1"
     findings = {f.check: f for f in check_package(package.path, get_profile("webgpu"), against=str(folder))}

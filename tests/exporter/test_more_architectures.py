@@ -274,13 +274,15 @@ def _latent_attention_config(config_class, **extra):
 
 @pytest.mark.l3
 @pytest.mark.l4
-def test_latent_attention_exports_its_compressed_cache_with_the_rotary_key_padded(tmp_path):
+@pytest.mark.parametrize("config_class", [transformers.DeepseekV3Config, transformers.DeepseekV2Config,
+                                          transformers.MiniCPM3Config], ids=lambda c: c.model_type)
+def test_latent_attention_exports_its_compressed_cache_with_the_rotary_key_padded(config_class, tmp_path):
     """transformers caches latent attention compressed: one "head" of the normalised latent as keys,
     the rotary key (narrower) as values. The package caches the same, values zero-padded to GenAI's
     one head size, and the attention runs plain over what each step expands from the cache."""
     from tests.helpers.generation import genai_greedy, transformers_greedy
 
-    model = transformers.AutoModelForCausalLM.from_config(_latent_attention_config(transformers.DeepseekV3Config))
+    model = transformers.AutoModelForCausalLM.from_config(_latent_attention_config(config_class))
     move_constant_tensors(model, 5)
     _, tokenizer = build_preset("tiny-llama")
     folder = save_checkpoint(model, tokenizer, tmp_path / "checkpoint")
@@ -307,6 +309,7 @@ def test_an_in_memory_latent_attention_model_matches_transformers(tmp_path):
     move_constant_tensors(model, 6)
     _, tokenizer = build_preset("tiny-llama")
     package = export(model, tokenizer, output_dir=tmp_path / "out", cache=False)
+    check_parity(package, model)
     prompts = [[2, 12, 99, 415, 260, 48, 77, 301, 5, 188], [2, 37, 101]]
     assert genai_greedy(package.path, prompts, no_early_end=True) == transformers_greedy(
         model, prompts, no_early_end=True)

@@ -224,3 +224,23 @@ def test_check_fails_a_captured_package_with_cpu_shape_work(webgpu_exports, tmp_
     main(["check", str(package), "--ep", "webgpu"])
     out = capsys.readouterr().out
     assert "FAIL  graph_capture" in out and "nodes would run on the CPU (Shape" in out
+
+
+@pytest.mark.l5
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_int4_routed_experts_run_as_qmoe_on_the_ep_with_the_graph_captured(preset, tmp_path):
+    """int4: the experts become QMoE, which the WebGPU plugin runs (its float MoE it does not), fed
+    [batch, seq, hidden] so no shape work is left on the CPU; every node on the EP, the captured
+    package's greedy tokens on the EP those of the CPU EP (near-tie rule of ``check``)."""
+    from exporter.load.presets import build_preset
+    from exporter.verify.check import check_package
+
+    require_webgpu()
+    model, tokenizer = build_preset(preset)
+    package = export(model, tokenizer, ep="webgpu", precision="int4", output_dir=tmp_path / "out", cache=False)
+    assert package.report.op_counts.get("com.microsoft.QMoE") == package.layout.experts_modules > 0
+    assert "com.microsoft.MoE" not in package.report.op_counts
+    findings = {f.check: f for f in check_package(package.path, WEBGPU)}
+    assert findings["session"].detail.startswith("all ") and "WebGpuExecutionProvider" in findings["session"].detail
+    for name in ("graph_capture", "ep_generation"):
+        assert findings[name].passed and not findings[name].skipped, findings[name].detail

@@ -3,10 +3,13 @@ are the family tests, and the fused-vs-plain test in tests/exporter/test_more_ar
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from ep_profiles import get_profile
+from exporter.int4_options import Int4Options
 from exporter.load.layout import derive_layout
 from exporter.load.presets import build_preset
 from exporter.trace.decoder import make_inputs, trace
@@ -18,7 +21,8 @@ from tests.helpers.plan_settings import DECODER, pass_settings
 MOE = torch.ops.genai_exporter.mixture_of_experts.default
 
 
-def _substituted(name: str, dtype: torch.dtype = torch.float32, ep: str = "cpu", precision: str = "fp32", **config):
+def _substituted(name: str, dtype: torch.dtype = torch.float32, ep: str = "cpu", precision: str = "fp32",
+                 int4: Int4Options | None = None, **config):
     model, _ = build_preset(name)
     model = model.to(dtype)
     for key, value in config.items():  # read by the modules at run time (gpt-oss's experts' limit)
@@ -39,7 +43,7 @@ def _substituted(name: str, dtype: torch.dtype = torch.float32, ep: str = "cpu",
              make_inputs(layout, 2, 6, 0, generator=generator, dtype=dtype, right_padding=(0, 2))]
     with torch.no_grad():
         before = [program.module()(*inputs) for inputs in cases]
-    settings = pass_settings(get_profile(ep), layout, precision)
+    settings = dataclasses.replace(pass_settings(get_profile(ep), layout, precision), int4=int4)
     passes = [FX_PASSES[n] for n in ("drop_runtime_asserts", "drop_noop_casts", "substitute_mixture_of_experts")]
     program, records = run_fx_passes(program, passes, settings, DECODER)
     return layout, program, cases, before, records[-1].changes
@@ -82,6 +86,18 @@ def test_blocks_traced_in_fp16_are_substituted_with_router_logits_of_the_op_dtyp
             assert torch.isfinite(got).all() and torch.isfinite(expected).all()
             # fp16 through another summation order: ~1e-3 of the logits' scale; a wrong routing is ~1e-1
             assert (got - expected).abs().max() <= 1e-2 * max(1.0, float(expected.abs().max()))
+
+
+@pytest.mark.l2
+def test_webgpu_keeps_experts_traced_where_qmoe_cannot_take_their_widths():
+    """webgpu runs QMoE but places float MoE on the CPU: a block whose widths (hidden 64) the int4
+    block size (128) does not divide would stay float MoE, so it stays traced instead, with why."""
+    layout, program, cases, before, changes = _substituted("tiny-qwen3-moe", torch.float16, "webgpu", "int4",
+                                                           Int4Options(block_size=128))
+    assert changes["substituted_layers"] == [] and len(changes["plain_blocks"]) == layout.experts_modules
+    assert all("int4 block size 128 does not divide" in why and "webgpu runs no float MoE" in why
+               for why in changes["plain_blocks"].values())
+    assert not any(n.target is MOE for n in program.graph.nodes)
 
 
 @pytest.mark.l2
@@ -128,4 +144,3 @@ def test_a_clamp_the_op_cannot_compute_keeps_the_block_traced(monkeypatch):
         for inputs, want in zip(cases, before, strict=True):
             for got, expected in zip(program.module()(*inputs), want, strict=True):
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
